@@ -1,0 +1,199 @@
+"""Check the Triton kernels on a CUDA GPU against the float64 torch reference.
+
+Large shapes, fresh random inputs for every case, outputs poisoned with NaN before each call,
+every configuration the kernels support (dtypes, head dims, block sizes, GQA ratios), the
+direct and split-K decode paths, mixed decode + prefill + extend batches, reshape_and_cache
+with padding slots, a CUDA-graph capture of the decode path, and the ``kernels`` dispatcher.
+Prints a pass/fail table; exits 1 if any case fails.
+
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_kernels_check.py
+"""
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels  # noqa: E402
+from kernels import reference, triton_attention, triton_cache  # noqa: E402
+
+BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# (dtype, head_dim, block_size, num_kv_heads, group): every value of each axis appears.
+CONFIGS = [
+    (torch.bfloat16, 128, 16, 8, 4),
+    (torch.bfloat16, 64, 8, 4, 8),
+    (torch.bfloat16, 128, 32, 2, 3),
+    (torch.bfloat16, 64, 32, 8, 1),
+    (torch.float16, 128, 16, 4, 8),
+    (torch.float16, 64, 8, 8, 3),
+    (torch.float32, 128, 16, 8, 4),
+    (torch.float32, 64, 32, 4, 1),
+    (torch.float32, 128, 8, 2, 8),
+]
+
+
+class Paged:
+    """A random varlen batch over a shuffled paged cache, on the GPU."""
+
+    def __init__(self, seqs: list[tuple[int, int]], dtype: torch.dtype, head_dim: int,
+                 block_size: int, num_kv_heads: int, group: int) -> None:
+        dev = "cuda"
+        need = [-(-s // block_size) for _, s in seqs]
+        width = max(need) + 1
+        num_blocks = sum(need) + 17
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.key_cache = torch.randn(shape, device=dev, dtype=dtype)
+        self.value_cache = torch.randn(shape, device=dev, dtype=dtype)
+        perm = torch.randperm(num_blocks, device=dev).to(torch.int32)
+        wide = torch.randint(0, num_blocks, (len(seqs), width + 5), device=dev,
+                             dtype=torch.int32)
+        taken = 0
+        for i, n in enumerate(need):
+            wide[i, :n] = perm[taken:taken + n]
+            taken += n
+        self.block_tables = wide[:, :width]  # non-contiguous view, valid padding ids
+        q_lens = [q for q, _ in seqs]
+        self.query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, device=dev,
+                                 dtype=dtype)
+        starts = [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+        self.query_start_loc = torch.tensor(starts, device=dev, dtype=torch.int32)
+        self.seq_lens = torch.tensor([s for _, s in seqs], device=dev, dtype=torch.int32)
+        self.scale = head_dim**-0.5
+        self.max_query_len = max(q_lens)
+        self.max_seq_len = max(s for _, s in seqs)
+
+    def tail(self) -> tuple:
+        return (self.block_tables, self.seq_lens, self.query_start_loc, self.scale,
+                self.max_query_len, self.max_seq_len)
+
+    def reference(self) -> torch.Tensor:
+        return reference.paged_attention(self.query.double(), self.key_cache.double(),
+                                         self.value_cache.double(), *self.tail())
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return float("nan")
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def attention_case(batch: Paged, num_splits: int | None = None) -> float:
+    out = torch.full_like(batch.query, float("nan"))
+    triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                     *batch.tail(), out=out, num_splits=num_splits)
+    torch.cuda.synchronize()
+    return rel_err(out, batch.reference())
+
+
+def cache_case(dtype: torch.dtype, head_dim: int, block_size: int, num_kv_heads: int) -> float:
+    """Max abs difference to the reference scatter (0 expected), padding slots included."""
+    num_blocks, num_tokens = 600, 4000
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, device="cuda", dtype=dtype)
+    value_cache = torch.randn(shape, device="cuda", dtype=dtype)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=torch.float32)
+    value = torch.randn_like(key)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slots[torch.rand(num_tokens, device="cuda") < 0.2] = -1
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, want_k, want_v, slots)
+    triton_cache.reshape_and_cache(key, value, key_cache, value_cache, slots.to(torch.int32))
+    return max((key_cache.float() - want_k.float()).abs().max().item(),
+               (value_cache.float() - want_v.float()).abs().max().item())
+
+
+def graph_case() -> float:
+    """Capture decode once, replay with new queries and new (longer) lengths: worst error."""
+    batch = Paged([(1, 6000)] * 64, torch.bfloat16, 128, 16, 8, 4)
+    out = torch.full_like(batch.query, float("nan"))
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.seq_lens, batch.query_start_loc, batch.scale, 1, 6000)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        triton_attention.paged_attention(*args, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_attention.paged_attention(*args, out=out)
+    worst = 0.0
+    for _ in range(3):
+        batch.query.copy_(torch.randn_like(batch.query))
+        batch.seq_lens.copy_(torch.randint(1, 6000, (64,), dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        worst = max(worst, rel_err(out, batch.reference()))
+    return worst
+
+
+def dispatch_case() -> float:
+    batch = Paged([(1, 300), (40, 90)], torch.bfloat16, 64, 16, 2, 4)
+    out = kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                  *batch.tail())
+    return rel_err(out, batch.reference())
+
+
+def main() -> int:
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    torch.manual_seed(0)
+    rows: list[tuple[str, str, float, float]] = []
+    started = time.perf_counter()
+
+    def record(config: str, case: str, fn: Callable[[], float], bound: float) -> None:
+        t = time.perf_counter()
+        try:
+            err = fn()
+        except Exception as exc:  # report and keep checking the other cases
+            print(f"  {config} {case}: {type(exc).__name__}: {exc}")
+            err = float("nan")
+        rows.append((config, case, err, bound))
+        verdict = "PASS" if err <= bound else "FAIL"
+        print(f"[{time.perf_counter() - started:6.1f}s] {config:28s} {case:22s} "
+              f"err={err:.2e} bound={bound:.0e} {verdict} ({time.perf_counter() - t:.1f}s)")
+
+    for dtype, head_dim, block_size, num_kv_heads, group in CONFIGS:
+        config = f"{NAMES[dtype]} d{head_dim} bs{block_size} kv{num_kv_heads} g{group}"
+        geo = (dtype, head_dim, block_size, num_kv_heads, group)
+        bound = BOUND[dtype]
+
+        def decode(splits: int | None, geo=geo) -> float:
+            lens = torch.randint(1, 4000, (48,)).tolist()
+            return attention_case(Paged([(1, n) for n in lens], *geo), splits)
+
+        def mixed(geo=geo) -> float:
+            seqs = [(1, int(n)) for n in torch.randint(1, 4000, (16,))]
+            seqs += [(q, q) for q in torch.randint(2, 600, (4,)).tolist()]
+            seqs += [(q, q + p) for q, p in zip(torch.randint(2, 400, (4,)).tolist(),
+                                                torch.randint(1, 3000, (4,)).tolist(),
+                                                strict=True)]
+            order = torch.randperm(len(seqs)).tolist()
+            return attention_case(Paged([seqs[i] for i in order], *geo))
+
+        record(config, "decode split-K", lambda d=decode: d(None), bound)
+        record(config, "decode 1 split", lambda d=decode: d(1), bound)
+        record(config, "decode 13 splits", lambda d=decode: d(13), bound)
+        record(config, "mixed+prefix", mixed, bound)
+        record(config, "reshape_and_cache", lambda g=geo: cache_case(*g[:4]), 0.0)
+    record("bf16 d128 bs16 kv8 g4", "cuda graph replay", graph_case, BOUND[torch.bfloat16])
+    record("bf16 d64 bs16 kv2 g4", "kernels dispatch", dispatch_case, BOUND[torch.bfloat16])
+
+    failed = [r for r in rows if not r[2] <= r[3]]
+    print(f"\n{'config':28s} {'case':22s} {'rel err':>9s} {'bound':>7s}  result")
+    for config, case, err, bound in rows:
+        print(f"{config:28s} {case:22s} {err:9.2e} {bound:7.0e}  "
+              f"{'PASS' if err <= bound else 'FAIL'}")
+    print(f"\n{len(rows) - len(failed)}/{len(rows)} passed in {time.perf_counter() - started:.0f}s"
+          f" on {torch.cuda.get_device_name()}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""``chatgate`` command line: ``chatgate serve [flags]`` (vLLM's flag names) and
+``chatgate hash-key KEY`` (the SHA-256 to put in tenants.toml)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from chatgate.settings import EngineSettings, Settings
+
+log = logging.getLogger("chatgate")
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("engine (vLLM's flags)")
+    e.add_argument("--model", default="smollm2",
+                   help="model name or path (default: smollm2, SmolLM2-135M-Instruct)")
+    e.add_argument("--served-model-name", default=None,
+                   help="model id shown by /v1/models and accepted in requests")
+    e.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)")
+    e.add_argument("--dtype", default=None,
+                   choices=["auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"])
+    e.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    e.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="explicit KV-cache size in blocks (overrides memory sizing)")
+    e.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="KV-cache byte budget (CPU sizing)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--max-num-seqs", type=int, default=128)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True)
+    e.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    e.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("gateway")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--redis-url", default=os.environ.get("REDIS_URL") or None,
+                   help="session store; default $REDIS_URL, else the in-process store")
+    g.add_argument("--redis-prefix", default="chatgate", help="Redis key prefix")
+    g.add_argument("--tenants", default=None, metavar="FILE",
+                   help="tenants TOML (API key hashes, limits); default: one open tenant")
+    g.add_argument("--server-secret", default=os.environ.get("CHATGATE_SECRET") or None,
+                   help="secret for per-tenant cache salts; default $CHATGATE_SECRET or random")
+    g.add_argument("--session-ttl", type=float, default=7 * 24 * 3600.0,
+                   help="seconds a session's history is kept after its last use")
+    g.add_argument("--session-idle-unpin", type=float, default=600.0,
+                   help="seconds after which an idle session's KV blocks are unpinned")
+    g.add_argument("--allowed-origins", default="",
+                   help="comma-separated Origins allowed for WebSocket/CORS ('*' = any); "
+                        "default: same origin only")
+    g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024)
+    g.add_argument("--ws-max-message-bytes", type=int, default=1024 * 1024)
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chatgate", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser("serve", help="run the gateway (OpenAI API, WebSocket, web UI)")
+    _add_serve_args(serve)
+    hk = sub.add_parser("hash-key", help="print the SHA-256 hex of an API key for tenants.toml")
+    hk.add_argument("key")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    engine = EngineSettings(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+    kw = dict(
+        host=args.host, port=args.port, engine=engine, served_model_name=args.served_model_name,
+        redis_url=args.redis_url, redis_prefix=args.redis_prefix, tenants_file=args.tenants,
+        session_ttl=args.session_ttl, session_idle_unpin=args.session_idle_unpin,
+        allowed_origins=args.allowed_origins, max_request_bytes=args.max_request_bytes,
+        ws_max_message_bytes=args.ws_max_message_bytes, log_level=args.log_level,
+    )
+    if args.server_secret:
+        kw["server_secret"] = args.server_secret
+    return Settings(**kw)
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from chatgate.app import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("chatgate starting on http://%s:%d", settings.host, settings.port)
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        lifespan="on",
+        # Frames a bit over the app's limit get an ``error`` event (socket open); only far
+        # larger ones are cut by the protocol layer (close 1009).
+        ws_max_size=max(4 * settings.ws_max_message_bytes, 1 << 20),
+        timeout_graceful_shutdown=5,
+        access_log=settings.log_level == "debug",
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in ("serve", "hash-key") and argv[0] not in ("-h", "--help")):
+        argv = ["serve", *argv]  # `chatgate [flags]` == `chatgate serve [flags]`
+    args = parser.parse_args(argv)
+    if args.command == "hash-key":
+        from chatgate.tenants import hash_api_key
+
+        print(hash_api_key(args.key))
+        return 0
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as e:
+        for err in e.errors(include_url=False):
+            loc = ".".join(str(p) for p in err["loc"])
+            print(f"chatgate serve: invalid {loc}: {err['msg']}", file=sys.stderr)
+        return 2
+    return serve(settings)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Prometheus metrics with vLLM's names under the ``chatgate:`` prefix.
+
+Engine gauges (running/waiting requests, KV usage, pinned sessions, KV waste) are read from
+``engine.stats()`` at scrape time; latencies and token counters are observed by the gateway as
+requests stream."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "chatgate:"
+
+disable_created_metrics()  # no *_created series (as vLLM)
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+def stat(stats: Any, *names: str, default: float = 0.0) -> float:
+    """The first of ``names`` that ``stats`` has (engine stats field names vary)."""
+    for n in names:
+        v = stats.get(n) if isinstance(stats, dict) else getattr(stats, n, None)
+        if v is not None:
+            return float(v)
+    return default
+
+
+class _EngineCollector(Collector):
+    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+        self._get_stats = get_stats
+        self._model = model_name
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        g.add_metric([self._model], value)
+        return g
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        try:
+            s = self._get_stats()
+        except Exception:  # engine not ready / shutting down
+            return
+        if s is None:
+            return
+        usage = stat(s, "kv_cache_usage_perc", "kv_cache_usage", "kv_usage", "gpu_cache_usage")
+        if usage > 1.0:
+            usage /= 100.0
+        waste = stat(s, "kv_cache_waste_perc", "kv_cache_waste", "kv_waste", "waste")
+        if waste > 1.0:
+            waste /= 100.0
+        yield self._gauge("num_requests_running", "Requests in the running batch.",
+                          stat(s, "num_requests_running", "num_running", "running"))
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                          stat(s, "num_requests_waiting", "num_waiting", "waiting"))
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                          usage)
+        yield self._gauge("num_pinned_sessions", "Sessions whose KV blocks are pinned.",
+                          stat(s, "num_pinned_sessions", "pinned_sessions", "pinned"))
+        yield self._gauge("num_pinned_blocks", "KV blocks held by pinned sessions.",
+                          stat(s, "num_pinned_blocks", "pinned_blocks"))
+        yield self._gauge("kv_cache_waste_perc",
+                          "Measured fraction of allocated KV slots holding no token (0-1).",
+                          waste)
+        yield self._gauge("num_free_blocks", "Free KV blocks.",
+                          stat(s, "num_blocks_free", "num_free_blocks", "free_blocks"))
+
+
+class Metrics:
+    """One registry per app (so tests can build several apps in one process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, lbl = self.registry, ["model_name"]
+        self.prefix_cache_queries = Counter(
+            PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            lbl, registry=r)
+        self.prefix_cache_hits = Counter(
+            PREFIX + "prefix_cache_hits", "Prompt tokens served from cached KV blocks.",
+            lbl, registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefill tokens processed.",
+                                     lbl, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens",
+                                         "Generation tokens processed.", lbl, registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests.",
+                                       lbl + ["finished_reason"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time to first token.", lbl, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Time between output tokens.", lbl, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "End-to-end request latency.", lbl, buckets=E2E_BUCKETS, registry=r)
+        self.active_streams = Gauge(PREFIX + "num_active_streams",
+                                    "Open gateway streams by transport.", lbl + ["transport"],
+                                    registry=r)
+        self.rate_limited = Counter(PREFIX + "rate_limited_requests",
+                                    "Requests refused by a tenant limit.", lbl, registry=r)
+
+        # Create the labelled children up front so every series exists from the first scrape.
+        for metric in (self.prefix_cache_queries, self.prefix_cache_hits, self.prompt_tokens,
+                       self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.rate_limited):
+            metric.labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
+        for transport in ("http", "ws"):
+            self.active_streams.labels(model_name, transport)
+
+    def attach_engine(self, get_stats: Callable[[], Any]) -> None:
+        self.registry.register(_EngineCollector(get_stats, self.model_name))
+
+    def observe_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        m = self.model_name
+        self.prefix_cache_queries.labels(m).inc(prompt_tokens)
+        self.prefix_cache_hits.labels(m).inc(cached_tokens)
+        self.prompt_tokens.labels(m).inc(prompt_tokens)

@@ -1,0 +1,58 @@
+"""Sessions REST: list, read history, delete (which also releases the engine pin)."""
+
+from __future__ import annotations
+
+import re
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from chatgate.auth import authenticate
+from chatgate.errors import APIError
+from chatgate.openai_api import _gateway
+from chatgate.openai_models import SESSION_ID_PATTERN
+
+_SID_RE = re.compile(SESSION_ID_PATTERN)
+
+
+def _session_id(request: Request) -> str:
+    sid = request.path_params["session_id"]
+    if not _SID_RE.match(sid):
+        raise APIError(404, f"No session '{sid[:128]}'.", code="session_not_found")
+    return sid
+
+
+async def list_sessions(request: Request) -> Response:
+    gw = _gateway(request)
+    tenant = authenticate(request, gw.tenants)
+    records = await gw.store.list(tenant.id)
+    return JSONResponse({"object": "list", "data": [r.summary() for r in records]})
+
+
+async def get_session(request: Request) -> Response:
+    gw = _gateway(request)
+    tenant = authenticate(request, gw.tenants)
+    sid = _session_id(request)
+    rec = await gw.store.get(tenant.id, sid)
+    if rec is None:
+        raise APIError(404, f"No session '{sid}'.", code="session_not_found")
+    return JSONResponse(rec.detail())
+
+
+async def delete_session(request: Request) -> Response:
+    gw = _gateway(request)
+    tenant = authenticate(request, gw.tenants)
+    sid = _session_id(request)
+    existed = await gw.store.delete(tenant.id, sid)
+    released = await gw.release_pin(gw.engine_session_id(tenant, sid))
+    if not existed and not released:
+        raise APIError(404, f"No session '{sid}'.", code="session_not_found")
+    return JSONResponse({"id": sid, "deleted": True})
+
+
+routes = [
+    Route("/v1/sessions", list_sessions, methods=["GET"]),
+    Route("/v1/sessions/{session_id}", get_session, methods=["GET"]),
+    Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
+]

@@ -1,0 +1,372 @@
+"""WebSocket ``/v1/ws``: multi-turn chat sessions over a small JSON event protocol
+(docs/protocol.md). Errors are sent as ``error`` events and leave the socket open; only a
+failed authentication closes it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import uuid
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import ValidationError
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from chatgate.errors import APIError, from_validation_error
+from chatgate.openai_api import sampling_params
+from chatgate.openai_models import SESSION_ID_PATTERN, WSParams
+from chatgate.service import Gateway, TurnStats
+from chatgate.sessions import SessionRecord, is_store_error
+from chatgate.tenants import Tenant
+
+log = logging.getLogger("chatgate")
+
+SUBPROTOCOL = "chatgate"
+BEARER_PREFIX = "bearer."
+_SID_RE = re.compile(SESSION_ID_PATTERN)
+
+
+def origin_allowed(ws: WebSocket, allowed: list[str]) -> bool:
+    """No Origin (a non-browser client): allowed. A browser: same-origin pages (Origin host ==
+    Host, i.e. the UI served by this gateway) and the Origins on the allowlist (``*``: any)."""
+    origin = ws.headers.get("origin")
+    if origin is None:
+        return True
+    origin = origin.rstrip("/")
+    if "*" in allowed or origin in allowed:
+        return True
+    host = ws.headers.get("host", "")
+    return bool(host) and urlsplit(origin).netloc.lower() == host.lower()
+
+
+class WSConnection:
+    def __init__(self, ws: WebSocket, gw: Gateway, tenant: Tenant | None) -> None:
+        self.ws = ws
+        self.gw = gw
+        self.tenant = tenant
+        self.session: SessionRecord | None = None
+        self.task: asyncio.Task | None = None
+        self._send_lock = asyncio.Lock()
+        self.max_bytes = gw.settings.ws_max_message_bytes
+
+    # ------------------------------------------------------------------ sending
+    async def send(self, event: dict[str, Any]) -> None:
+        async with self._send_lock:
+            if self.ws.application_state == WebSocketState.CONNECTED:
+                await self.ws.send_text(json.dumps(event, ensure_ascii=False))
+
+    async def error(self, code: str, message: str, **extra: Any) -> None:
+        await self.send({"type": "error", "code": code, "message": message, **extra})
+
+    def _session_event(self) -> dict[str, Any]:
+        s = self.session
+        assert s is not None
+        return {"type": "session", "id": s.id, "system": s.system,
+                "messages": [dict(m) for m in s.messages]}
+
+    @property
+    def generating(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    # ------------------------------------------------------------------ main loop
+    async def run(self) -> None:
+        try:
+            while True:
+                msg = await self.ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                text = msg.get("text")
+                if text is None:
+                    data = msg.get("bytes") or b""
+                    if len(data) > self.max_bytes:
+                        await self.error("message_too_large", self._too_large(len(data)))
+                        continue
+                    try:
+                        text = data.decode("utf-8")
+                    except UnicodeDecodeError:
+                        await self.error("invalid_json", "Frames must be UTF-8 JSON text.")
+                        continue
+                if len(text.encode("utf-8")) > self.max_bytes:
+                    await self.error("message_too_large", self._too_large(len(text.encode())))
+                    continue
+                try:
+                    event = json.loads(text)
+                except json.JSONDecodeError as e:
+                    await self.error("invalid_json", f"Could not parse the frame as JSON: {e}")
+                    continue
+                if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+                    await self.error("invalid_event", "Each frame must be a JSON object with a "
+                                     "string 'type'.")
+                    continue
+                if not await self.handle(event):
+                    break
+        except WebSocketDisconnect:
+            pass
+        finally:
+            await self.cancel_generation()
+
+    def _too_large(self, n: int) -> str:
+        return f"Frame of {n} bytes exceeds the limit of {self.max_bytes} bytes."
+
+    async def handle(self, event: dict[str, Any]) -> bool:
+        """Handle one client event; ``False`` closes the connection."""
+        etype = event["type"]
+        if self.tenant is None:
+            if etype != "auth":
+                await self.error("unauthorized", "Authenticate first: send {\"type\": \"auth\", "
+                                 "\"api_key\": ...} or offer the subprotocol bearer.<key>.")
+                await self.ws.close(code=1008)
+                return False
+            key = event.get("api_key")
+            self.tenant = self.gw.tenants.authenticate(key if isinstance(key, str) else None)
+            if self.tenant is None:
+                await self.error("unauthorized", "Incorrect API key provided.")
+                await self.ws.close(code=1008)
+                return False
+            return True
+        handler = {
+            "auth": self.on_auth,
+            "session.create": self.on_create,
+            "session.resume": self.on_resume,
+            "message": self.on_message,
+            "regenerate": self.on_regenerate,
+            "cancel": self.on_cancel,
+            "session.close": self.on_close,
+        }.get(etype)
+        if handler is None:
+            await self.error("unknown_event", f"Unknown event type '{etype[:64]}'.")
+            return True
+        try:
+            await handler(event)
+        except APIError as e:
+            extra = {}
+            if "Retry-After" in e.headers:
+                extra["retry_after"] = int(e.headers["Retry-After"])
+            await self.error(e.code or "error", e.message, **extra)
+        except Exception as e:  # noqa: BLE001 - keep the socket open
+            if is_store_error(e):
+                log.warning("session store error on websocket %s: %s", etype, e)
+                await self.error("store_unavailable", f"The session store is unavailable: {e}")
+            else:
+                log.exception("websocket event %s failed", etype)
+                await self.error("internal_error", f"{type(e).__name__}: {e}")
+        return True
+
+    # ------------------------------------------------------------------ events
+    async def on_auth(self, event: dict[str, Any]) -> None:
+        return None  # already authenticated (or open mode)
+
+    async def on_create(self, event: dict[str, Any]) -> None:
+        if self.generating:
+            raise APIError(409, "An answer is being generated; cancel it first.", code="busy")
+        system = event.get("system")
+        if system is not None and not isinstance(system, str):
+            raise APIError(400, "'system' must be a string.", code="invalid_params")
+        assert self.tenant is not None
+        sid = uuid.uuid4().hex
+        self.session = await self.gw.store.create(self.tenant.id, sid, system or None)
+        await self.send(self._session_event())
+
+    async def on_resume(self, event: dict[str, Any]) -> None:
+        if self.generating:
+            raise APIError(409, "An answer is being generated; cancel it first.", code="busy")
+        sid = event.get("session_id")
+        if not isinstance(sid, str) or not _SID_RE.match(sid):
+            raise APIError(400, "'session_id' must be a session id string.",
+                           code="invalid_params")
+        assert self.tenant is not None
+        rec = await self.gw.store.get(self.tenant.id, sid)
+        if rec is None:
+            raise APIError(404, f"No session '{sid}'.", code="session_not_found")
+        self.session = rec
+        await self.send(self._session_event())
+
+    def _params(self, event: dict[str, Any]) -> WSParams:
+        raw = event.get("params") or {}
+        if not isinstance(raw, dict):
+            raise APIError(400, "'params' must be an object.", code="invalid_params")
+        try:
+            return WSParams.model_validate(raw)
+        except ValidationError as e:
+            err = from_validation_error(e)
+            raise APIError(400, err.message, code="invalid_params", param=err.param) from None
+
+    async def on_message(self, event: dict[str, Any]) -> None:
+        if self.session is None:
+            raise APIError(400, "Create or resume a session first.", code="no_session")
+        if self.generating:
+            raise APIError(409, "An answer is being generated; cancel it first.", code="busy")
+        content = event.get("content")
+        if not isinstance(content, str) or not content:
+            raise APIError(400, "'content' must be a non-empty string.", code="invalid_params")
+        params = self._params(event)
+        history = self.session.chat_messages() + [{"role": "user", "content": content}]
+        prepared = self._prepare(history, params)
+        assert self.tenant is not None
+        try:
+            await self.gw.store.append(self.tenant.id, self.session.id,
+                                       [{"role": "user", "content": content}])
+        except BaseException:
+            self._unprepare(prepared[0])
+            raise
+        self.session.messages.append({"role": "user", "content": content})
+        self.session.num_messages += 1
+        self._start(*prepared)
+
+    async def on_regenerate(self, event: dict[str, Any]) -> None:
+        if self.session is None:
+            raise APIError(400, "Create or resume a session first.", code="no_session")
+        if self.generating:
+            raise APIError(409, "An answer is being generated; cancel it first.", code="busy")
+        msgs = list(self.session.messages)
+        if msgs and msgs[-1]["role"] == "assistant":
+            msgs.pop()
+        if not msgs or msgs[-1]["role"] != "user":
+            raise APIError(400, "Nothing to regenerate: the session has no user message.",
+                           code="invalid_params")
+        params = self._params(event)
+        head = [{"role": "system", "content": self.session.system}] if self.session.system else []
+        prepared = self._prepare(head + msgs, params)
+        assert self.tenant is not None
+        try:
+            self.session = await self.gw.store.replace(self.tenant.id, self.session.id,
+                                                       self.session.system, msgs)
+        except BaseException:
+            self._unprepare(prepared[0])
+            raise
+        self._start(*prepared)
+
+    def _prepare(self, history: list[dict[str, str]], p: WSParams) -> tuple:
+        assert self.tenant is not None and self.session is not None
+        eid = self.gw.engine_session_id(self.tenant, self.session.id)
+        prompt_ids = self.gw.render(history, eid)
+        max_tokens = self.gw.check_prompt(prompt_ids, p.max_tokens, clamp=True)
+        params = sampling_params(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=max_tokens,
+            seed=p.seed, stop=[p.stop] if isinstance(p.stop, str) else p.stop,
+            ignore_eos=bool(p.ignore_eos),
+        )
+        self.gw.admit(self.tenant)
+        try:
+            self.gw.acquire_session(eid)
+        except APIError:
+            self.gw.release(self.tenant, TurnStats())
+            raise
+        return eid, prompt_ids, params
+
+    def _unprepare(self, eid: str) -> None:
+        assert self.tenant is not None
+        self.gw.release(self.tenant, TurnStats())
+        self.gw.release_session_lock(eid)
+
+    def _start(self, eid: str, prompt_ids: list[int], params: Any) -> None:
+        assert self.tenant is not None
+        tenant, stats = self.tenant, TurnStats()
+        done = False
+
+        def release(*_: Any) -> None:
+            # Called before ``done`` is sent, and as the task's done-callback (which also
+            # runs when the task is cancelled before it ever started).
+            nonlocal done
+            if not done:
+                done = True
+                self.gw.release(tenant, stats)
+                self.gw.release_session_lock(eid)
+
+        self.task = asyncio.create_task(self._generate(eid, prompt_ids, params, stats, release))
+        self.task.add_done_callback(release)
+
+    async def _generate(self, eid: str, prompt_ids: list[int], params: Any,
+                        stats: TurnStats, release: Any) -> None:
+        assert self.tenant is not None and self.session is not None
+        tenant, session = self.tenant, self.session
+        text = ""
+        finish = "cancelled"
+        try:
+            async for out in self.gw.stream(tenant, prompt_ids, params, stats, eid=eid,
+                                            transport="ws"):
+                c = out.outputs[0]
+                text = c.text
+                if c.delta_text:
+                    await self.send({"type": "delta", "text": c.delta_text})
+                if c.finish_reason is not None:
+                    finish = c.finish_reason if c.finish_reason in ("stop", "length") \
+                        else "cancelled"
+        except asyncio.CancelledError:
+            finish = "cancelled"
+        except ValueError as e:
+            release()
+            await self.error("invalid_params", str(e))
+            return
+        except Exception as e:  # noqa: BLE001
+            release()
+            log.exception("websocket generation failed")
+            await self.error("engine_error", f"The engine failed: {e}")
+            return
+        if text:
+            msg = {"role": "assistant", "content": text}
+            session.messages.append(msg)
+            session.num_messages += 1
+            with contextlib.suppress(Exception):
+                await self.gw.store.append(tenant.id, session.id, [msg])
+        release()
+        with contextlib.suppress(Exception):
+            await self.send({
+                "type": "done",
+                "finish_reason": finish,
+                "usage": {"prompt_tokens": stats.prompt_tokens,
+                          "cached_tokens": stats.cached_tokens,
+                          "completion_tokens": stats.completion_tokens},
+                "timings": {"ttft_ms": round(stats.ttft_s * 1000, 1)
+                            if stats.ttft_s is not None else None,
+                            "tokens_per_s": round(stats.tokens_per_s(), 2)},
+            })
+
+    async def cancel_generation(self) -> None:
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def on_cancel(self, event: dict[str, Any]) -> None:
+        await self.cancel_generation()
+
+    async def on_close(self, event: dict[str, Any]) -> None:
+        if self.session is None:
+            raise APIError(400, "No session is open.", code="no_session")
+        await self.cancel_generation()
+        assert self.tenant is not None
+        sid = self.session.id
+        await self.gw.store.delete(self.tenant.id, sid)
+        await self.gw.release_pin(self.gw.engine_session_id(self.tenant, sid))
+        self.session = None
+        await self.send({"type": "session.closed", "id": sid})
+
+
+async def ws_endpoint(websocket: WebSocket) -> None:
+    gw: Gateway | None = getattr(websocket.app.state, "gateway", None)
+    if gw is None:
+        await websocket.close(code=1013)
+        return
+    if not origin_allowed(websocket, gw.settings.allowed_origins):
+        log.warning("refused websocket from origin %s", websocket.headers.get("origin"))
+        await websocket.close(code=1008)  # before accept: the handshake gets HTTP 403
+        return
+    offered = list(websocket.scope.get("subprotocols") or [])
+    tenant: Tenant | None = None
+    if gw.tenants.open_mode:
+        tenant = gw.tenants.default
+    else:
+        keys = [p[len(BEARER_PREFIX):] for p in offered if p.lower().startswith(BEARER_PREFIX)]
+        if keys:
+            tenant = gw.tenants.authenticate(keys[0])
+            if tenant is None:
+                await websocket.close(code=1008)  # wrong key: refuse the handshake (403)
+                return
+    await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+    await WSConnection(websocket, gw, tenant).run()

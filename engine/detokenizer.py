@@ -1,0 +1,124 @@
+"""Incremental detokenization of one output sequence, with OpenAI-style stop strings."""
+
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    """What the detokenizer needs from a (Hugging Face) tokenizer."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns the token ids of one output sequence into text as they arrive.
+
+    Invariants:
+
+    - the chunks returned by :meth:`append` and :meth:`flush`, concatenated, equal
+      ``tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)`` cut just before
+      the stop string that completes first (and :attr:`text` is that concatenation);
+    - released text is never taken back: a chunk never ends inside a UTF-8 character (byte-level
+      or byte-fallback tokens wait for the rest of their character), never contains a stop
+      string, and text that could be the start of one is held back until it cannot be;
+    - each call decodes a small window (vLLM's prefix/read offsets): the ids since the last clean
+      character boundary plus those of the previous release, for the tokenizer's spacing context.
+
+    ``prompt_token_ids`` is deliberately not used as decoding context, so that the text equals
+    the decode of the output ids alone for every tokenizer (SentencePiece ones strip the first
+    output token's leading space, and a prompt cut mid-character would change the first bytes).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = list(stop)
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # window start: ids whose text was already released, as context
+        self._read_offset = 0  # ids before this are decoded into released or held text
+        self._prefix_text = ""  # decode of ids[prefix_offset:read_offset]
+        self._held = ""  # decoded text withheld because it could start a stop string
+        self._text = ""
+        self._stop_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The text released so far (stop string and held-back text excluded)."""
+        return self._text
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string that ended the text, or None while none has occurred."""
+        return self._stop_reason
+
+    def append(self, token_id: int) -> str:
+        """Add the next output token; return the text it makes releasable (often "").
+
+        After a stop string was hit nothing more is released.
+        """
+        if self._stop_reason is not None:
+            return ""
+        self._ids.append(token_id)
+        new_text = self._decode(self._prefix_offset)
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # nothing new yet, or the last character is still incomplete
+        return self._release(self._advance(new_text))
+
+    def flush(self) -> str:
+        """Release everything still pending at the end of the sequence: an incomplete trailing
+        character (as the decoder renders it) and held-back text. Nothing after a stop."""
+        if self._stop_reason is not None:
+            return ""
+        out = self._release(self._advance(self._decode(self._prefix_offset)))
+        if self._stop_reason is None:
+            out += self._held
+            self._text += self._held
+            self._held = ""
+        return out
+
+    def _decode(self, start: int) -> str:
+        return self._tokenizer.decode(
+            self._ids[start:], skip_special_tokens=self._skip_special_tokens
+        )
+
+    def _advance(self, new_text: str) -> str:
+        """Return the text of ``ids[read_offset:]`` (given the window's decode ``new_text``) and
+        move the window so that its context is the ids just decoded."""
+        delta = new_text[len(self._prefix_text) :]
+        self._prefix_text = self._decode(self._read_offset)
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return delta
+
+    def _release(self, delta: str) -> str:
+        """Append decoded ``delta`` to the held text; return what can be released for good."""
+        if not self._stop:
+            self._text += delta
+            return delta
+        pending = self._held + delta
+        # The stop string that completes first (as if text came a character at a time) wins;
+        # of two completing together, the longer one (it starts earlier).
+        hits = [(i + len(s), i, s) for s in self._stop if (i := pending.find(s)) >= 0]
+        if hits:
+            _, at, self._stop_reason = min(hits)
+            out, self._held = pending[:at], ""
+        else:
+            keep = self._stop_prefix_len(pending)
+            out, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
+        self._text += out
+        return out
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest end of ``text`` that is a (proper) prefix of a stop string."""
+        longest = min(len(text), max(len(s) for s in self._stop) - 1)
+        for n in range(longest, 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0

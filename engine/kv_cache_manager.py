@@ -1,0 +1,201 @@
+"""Per-sequence block tables on top of the block pool: prefix hits, session reuse, on-demand
+growth, copy-on-write and release.
+
+A sequence may write into a block in place only when it is the block's sole holder and the block
+is not published in the prefix cache; otherwise the block is copied first (the copy is queued in
+``pending_copies`` for the model runner to perform before the next forward pass).
+"""
+
+from dataclasses import dataclass
+
+from engine.block_pool import Block, BlockPool, hash_block
+from engine.sequence import Sequence
+from engine.session_pins import PinnedSession, SessionPins
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a[:limit], b[:limit], strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class _PrefixMatch:
+    num_tokens: int
+    blocks: list[Block]
+    pinned: PinnedSession | None
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        pin_budget_blocks: int,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.sessions = SessionPins(self.pool, pin_budget_blocks)
+        self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def admit(self, seq: Sequence, token_budget: int) -> int:
+        """Give a waiting sequence its reused prefix and the blocks for its next chunk.
+
+        Returns the number of tokens to compute this step, or 0 (and changes nothing) when the
+        free blocks do not suffice. The last token is always computed, so logits exist."""
+        match = self._match_prefix(seq)
+        num_new = min(seq.num_tokens - match.num_tokens, token_budget)
+        needed = _cdiv(match.num_tokens + num_new, self.block_size) - len(match.blocks)
+        if match.pinned is not None:
+            partial = match.num_tokens % self.block_size
+            if partial and not self._writable(match.blocks[-1]):
+                needed += 1
+            tail = match.pinned.block_ids[len(match.blocks):]
+            available = self.pool.num_free + sum(
+                1 for b in tail if self.pool.blocks[b].ref_cnt == 1)
+        else:
+            available = self.pool.num_free - sum(1 for b in match.blocks if b.ref_cnt == 0)
+        if needed > available:
+            return 0
+
+        if match.pinned is not None:
+            taken = self.sessions.take(match.pinned.session_id)
+            assert taken is match.pinned
+            keep = len(match.blocks)
+            self.pool.free(self.pool.blocks[b] for b in reversed(taken.block_ids[keep:]))
+        else:
+            self.pool.touch(match.blocks)
+        seq.block_table = [b.block_id for b in match.blocks]
+        seq.num_computed_tokens = match.num_tokens
+        if seq.num_output_tokens == 0:
+            seq.num_cached_tokens = match.num_tokens
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += match.num_tokens
+        grown = self.grow(seq, num_new)
+        assert grown
+        return num_new
+
+    def _match_prefix(self, seq: Sequence) -> _PrefixMatch:
+        """The longest reusable prefix: hashed full blocks, or the session's pinned tokens
+        (which also reuse the partial last block and tokens the model generated)."""
+        blocks: list[Block] = []
+        if self.enable_prefix_caching:
+            for i in range((seq.num_tokens - 1) // self.block_size):
+                block = self.pool.lookup(self._block_hash(seq, i))
+                if block is None:
+                    break
+                blocks.append(block)
+        best = _PrefixMatch(len(blocks) * self.block_size, blocks, None)
+        pinned = self.sessions.get(seq.session_id) if seq.session_id is not None else None
+        if pinned is None:
+            return best
+        if pinned.cache_salt != seq.cache_salt:
+            self.sessions.release(pinned.session_id)
+            return best
+        lcp = _common_prefix(seq.token_ids, pinned.token_ids, seq.num_tokens - 1)
+        if lcp <= best.num_tokens:
+            return best
+        kept = pinned.block_ids[: _cdiv(lcp, self.block_size)]
+        return _PrefixMatch(lcp, [self.pool.blocks[b] for b in kept], pinned)
+
+    # -- growth ------------------------------------------------------------------------------
+
+    def grow(self, seq: Sequence, num_new: int) -> bool:
+        """Make room for ``num_new`` more tokens: copy a shared partial block, then append
+        blocks. Returns False (changing nothing) when the free blocks do not suffice."""
+        bs = self.block_size
+        needed = _cdiv(seq.num_computed_tokens + num_new, bs) - len(seq.block_table)
+        write_index = seq.num_computed_tokens // bs
+        copy = (seq.num_computed_tokens % bs != 0
+                and not self._writable(self.pool.blocks[seq.block_table[write_index]]))
+        if max(needed, 0) + int(copy) > self.pool.num_free:
+            return False
+        if copy:
+            old = self.pool.blocks[seq.block_table[write_index]]
+            new = self.pool.allocate(1)[0]
+            self.pending_copies.append((old.block_id, new.block_id))
+            seq.block_table[write_index] = new.block_id
+            self.pool.free([old])
+        if needed > 0:
+            seq.block_table.extend(b.block_id for b in self.pool.allocate(needed))
+        return True
+
+    def _writable(self, block: Block) -> bool:
+        return block.ref_cnt == 1 and block.block_hash is None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent``, the partial last one included."""
+        child.block_table = list(parent.block_table)
+        self.pool.touch(self.pool.blocks[b] for b in child.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.block_hashes = list(parent.block_hashes)
+
+    # -- after a step ------------------------------------------------------------------------
+
+    def commit(self, seq: Sequence, num_computed: int) -> None:
+        """Record ``num_computed`` new tokens with KV and publish blocks that became full."""
+        bs = self.block_size
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens = before + num_computed
+        if not self.enable_prefix_caching:
+            return
+        for i in range(before // bs, seq.num_computed_tokens // bs):
+            self.pool.cache(self.pool.blocks[seq.block_table[i]], self._block_hash(seq, i))
+
+    def _block_hash(self, seq: Sequence, index: int) -> bytes:
+        bs = self.block_size
+        while len(seq.block_hashes) <= index:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            salt = seq.cache_salt if i == 0 else None
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], salt))
+        return seq.block_hashes[index]
+
+    # -- release -----------------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's blocks, tail first; KV is forgotten (``num_computed_tokens`` 0)."""
+        self.pool.free(self.pool.blocks[b] for b in reversed(seq.block_table))
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def pin(self, seq: Sequence) -> None:
+        """Hand a finished sequence's computed tokens and their blocks to its session."""
+        assert seq.session_id is not None
+        keep = _cdiv(seq.num_computed_tokens, self.block_size)
+        self.pool.free(self.pool.blocks[b] for b in reversed(seq.block_table[keep:]))
+        self.sessions.pin(PinnedSession(
+            session_id=seq.session_id,
+            token_ids=seq.token_ids[: seq.num_computed_tokens],
+            block_ids=seq.block_table[:keep],
+            cache_salt=seq.cache_salt,
+        ))
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    # -- measurement -------------------------------------------------------------------------
+
+    def stored_tokens(self, seqs: list[Sequence]) -> int:
+        """Distinct token slots holding KV across running sequences and pins."""
+        fill: dict[int, int] = {}
+        holders = [(s.block_table, s.num_computed_tokens) for s in seqs]
+        holders += [(p.block_ids, len(p.token_ids)) for p in self.sessions.pins.values()]
+        for table, computed in holders:
+            for i, block_id in enumerate(table):
+                stored = max(0, min(self.block_size, computed - i * self.block_size))
+                fill[block_id] = max(fill.get(block_id, 0), stored)
+        return sum(fill.values())

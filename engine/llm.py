@@ -1,0 +1,133 @@
+"""Offline API with vLLM's shape: ``LLM(...).generate(...)`` and ``.chat(...)``."""
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+Prompt = str | list[int]
+Conversation = list[dict]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "smollm2",
+        device: str | None = None,
+        dtype: str | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int | None = None,
+        **kwargs: object,
+    ) -> None:
+        config = EngineConfig(
+            model=model, device=device, dtype=dtype, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, seed=seed or 0, **kwargs,
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids) together; outputs in prompt order.
+
+        Every request is validated before any is queued, so a bad one leaves nothing behind."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = self._params(sampling_params, len(prompts))
+        if session_id is not None and len(prompts) != 1:
+            raise ValueError("session_id takes exactly one prompt")
+        requests = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            if isinstance(prompt, str):
+                if self.engine.tokenizer is None:
+                    raise ValueError("text prompts need a tokenizer; pass token ids")
+                ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+                requests.append((prompt, ids, params))
+            else:
+                requests.append((None, list(prompt), params))
+        for _, ids, params in requests:
+            self.engine.validate(ids, params)
+        return self._run(requests, session_id, cache_salt, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate its answer.
+        With ``session_id`` the conversation continues that session's pinned KV."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if session_id is not None and len(conversations) != 1:
+            raise ValueError("session_id takes exactly one conversation")
+        prompts = [self.engine.render_chat(list(c), session_id) for c in conversations]
+        params_list = self._params(sampling_params, len(prompts))
+        for ids, params in zip(prompts, params_list, strict=True):
+            self.engine.validate(ids, params)
+        return self._run([(None, ids, p) for ids, p in zip(prompts, params_list, strict=True)],
+                         session_id, cache_salt, use_tqdm)
+
+    def release_session(self, session_id: str) -> bool:
+        return self.engine.release_session(session_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @staticmethod
+    def _params(params: SamplingParams | Sequence[SamplingParams] | None,
+                n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return list(params)
+
+    def _run(self, requests: list[tuple[str | None, list[int], SamplingParams]],
+             session_id: str | None, cache_salt: str | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        order = []
+        for prompt, ids, params in requests:
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, ids, params, prompt=prompt,
+                                    session_id=session_id, cache_salt=cache_salt)
+            order.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), disable=not use_tqdm, desc="requests") as bar:
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in order]

@@ -1,0 +1,309 @@
+"""The synchronous engine core: requests in, one scheduled step at a time, outputs out.
+
+Not thread-safe: exactly one thread (the caller of ``LLM`` or ``AsyncEngine``'s step thread)
+drives it.
+"""
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import load_model
+from engine.model import LlamaModel
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.stats import EngineStats
+
+logger = logging.getLogger("engine")
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None]
+    pending_forks: list[Sequence]
+    deltas: list[str] = field(default_factory=list)
+    delta_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device, dtype = config.torch_device, config.torch_dtype
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, device, dtype, seed=config.seed,
+                            use_cache=config.use_weight_cache)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.hf_config = loaded.config
+        limit = loaded.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        max_model_len = config.max_model_len or limit
+        model = LlamaModel(loaded.config, loaded.state_dict, max_model_len)
+        self.runner = ModelRunner(model, config, max_model_len)
+        self.max_model_len = min(max_model_len, self.runner.num_blocks * config.block_size)
+        self.vocab_size = model.embed.shape[0]
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+            int(config.pin_budget_fraction * self.runner.num_blocks),
+        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = self._eos_token_ids()
+        self.requests: dict[str, _Request] = {}
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.hf_config, self.tokenizer):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(eos)
+        return ids
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the parameter and the limit; changes nothing."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, max_model_len is {self.max_model_len} "
+                             "(prompt plus at least one generated token)")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seqs = []
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(self.runner.device).manual_seed(params.seed + index)
+            seqs.append(Sequence(request_id, index, prompt_token_ids, params, generator,
+                                 session_id=session_id if index == 0 else None,
+                                 cache_salt=cache_salt))
+        detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+            if self.tokenizer is not None else None
+            for _ in seqs
+        ]
+        self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs,
+                                             detokenizers, seqs[1:])
+        self.scheduler.add(seqs[0])
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish every sample of the request with reason "abort"; its blocks are released
+        (or pinned to its session) at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return self._output(request)
+
+    def release_session(self, session_id: str) -> bool:
+        return self.kv.sessions.release(session_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, and return an output for every request that
+        produced tokens or finished this step."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sample_indices = [
+            i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
+            if seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        logits = self.runner.execute(batch, sample_indices)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            decoding = n == 1 and seq.num_output_tokens > 0
+            if decoding:
+                self.num_decode_tokens += 1
+            else:
+                self.num_prefill_tokens += n
+            self.kv.commit(seq, n)
+
+        rows: list[int] = []
+        sampled: list[Sequence] = []
+        for row, index in enumerate(sample_indices):
+            seq = batch.seqs[index]
+            rows.append(row)
+            sampled.append(seq)
+            request = self.requests[seq.request_id]
+            if request.pending_forks and seq is request.seqs[0]:
+                for child in request.pending_forks:
+                    self.kv.fork(seq, child)
+                    self.scheduler.add_running(child)
+                    rows.append(row)
+                    sampled.append(child)
+                request.pending_forks = []
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        token_ids, logprobs = sample(logits, [s.params for s in sampled],
+                                     [s.generator for s in sampled])
+
+        touched: dict[str, _Request] = {}
+        for seq, token_id, logprob in zip(sampled, token_ids, logprobs, strict=True):
+            request = self.requests[seq.request_id]
+            touched[request.request_id] = request
+            self._append_token(request, seq, token_id, logprob)
+
+        outputs = []
+        for request in touched.values():
+            outputs.append(self._output(request))
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _append_token(self, request: _Request, seq: Sequence, token_id: int,
+                      logprob: TokenLogprob | None) -> None:
+        seq.token_ids.append(token_id)
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(logprob)
+            seq.cumulative_logprob += logprob.logprob
+        detok = request.detokenizers[seq.index]
+        params = seq.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token_id in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token_id
+        else:
+            if detok is not None:
+                detok.append(token_id)
+            if detok is not None and detok.stop_reason is not None:
+                seq.finish_reason, seq.stop_reason = "stop", detok.stop_reason
+            elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+                seq.finish_reason = "length"
+            elif seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            if detok is not None and detok.stop_reason is None:
+                detok.flush()
+            self.scheduler.finish(seq)
+
+    def _output(self, request: _Request) -> RequestOutput:
+        """Cumulative outputs plus the deltas since the previous output of this request."""
+        completions = []
+        if not request.deltas:
+            request.deltas = ["" for _ in request.seqs]
+            request.delta_token_ids = [[] for _ in request.seqs]
+        for seq, detok in zip(request.seqs, request.detokenizers, strict=True):
+            text = detok.text if detok is not None else ""
+            sent_text, sent_tokens = request.deltas[seq.index], request.delta_token_ids[seq.index]
+            output_ids = seq.output_token_ids
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=text,
+                token_ids=output_ids,
+                finish_reason=seq.finish_reason,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                stop_reason=seq.stop_reason,
+                delta_text=text[len(sent_text):],
+                delta_token_ids=output_ids[len(sent_tokens):],
+            ))
+            request.deltas[seq.index] = text
+            request.delta_token_ids[seq.index] = output_ids
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
+            finished=request.finished,
+        )
+
+    # -- chat --------------------------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict], session_id: str | None = None) -> list[int]:
+        """Chat template + generation prompt as token ids. With a pinned ``session_id``, the
+        longest run of pinned tokens whose text prefixes the rendering is kept as it is and
+        only the rest is tokenized, so the turn continues the pinned KV exactly (a next turn
+        keeps everything; a regenerate or edit keeps up to the divergence).
+
+        Safe to call from another thread: a pin's token list is never mutated once made."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        pinned = self.kv.sessions.get(session_id) if session_id is not None else None
+        kept = self._pinned_text_prefix(pinned.token_ids, text) if pinned is not None else []
+        kept_text = self.tokenizer.decode(kept, skip_special_tokens=False)
+        return kept + self.tokenizer.encode(text[len(kept_text):], add_special_tokens=False)
+
+    def _pinned_text_prefix(self, token_ids: list[int], text: str) -> list[int]:
+        """The longest ``token_ids[:k]`` whose decoded text is a prefix of ``text``."""
+        def decoded(k: int) -> str:
+            return self.tokenizer.decode(token_ids[:k], skip_special_tokens=False)
+
+        if text.startswith(decoded(len(token_ids))):
+            return token_ids
+        lo, hi = 0, len(token_ids)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if text.startswith(decoded(mid)):
+                lo = mid
+            else:
+                hi = mid - 1
+        return token_ids[:lo]
+
+    # -- stats -------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_requests_running=len({s.request_id for s in self.scheduler.running}),
+            num_requests_waiting=len({s.request_id for s in self.scheduler.waiting}),
+            num_blocks_total=pool.num_blocks,
+            num_blocks_used=pool.num_used,
+            num_blocks_free=pool.num_free,
+            block_size=self.config.block_size,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_pinned_sessions=len(self.kv.sessions.pins),
+            num_pinned_blocks=self.kv.sessions.num_pinned_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefill_tokens_computed=self.num_prefill_tokens,
+            num_decode_tokens_computed=self.num_decode_tokens,
+            num_tokens_stored=self.kv.stored_tokens(self.scheduler.running),
+        )

@@ -1,0 +1,127 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias) in plain torch
+around the paged-attention kernels, computing over a flattened varlen batch.
+
+It mirrors transformers' Llama numerics op for op (separate projections, fp32 RMSNorm, the same
+rotary tables) so greedy tokens match transformers' token for token.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    """Kernel inputs for one step; see ``kernels/__init__.py`` for the contract."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """Weights are the loader's tensors (HF names), used in place: nothing is copied."""
+
+    def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor],
+                 max_positions: int) -> None:
+        self.config = config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        self.embed = weights["model.embed_tokens.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        self.lm_head = weights.get("lm_head.weight", self.embed)
+        self.device = self.embed.device
+        self.dtype = self.embed.dtype
+        self.layers = [self._layer(weights, i) for i in range(config.num_hidden_layers)]
+        rotary = LlamaRotaryEmbedding(config).to(self.device)
+        positions = torch.arange(max_positions, device=self.device)[None, :]
+        cos, sin = rotary(self.embed[:1], positions)
+        self.cos, self.sin = cos[0], sin[0]
+
+    @staticmethod
+    def _layer(w: dict[str, torch.Tensor], i: int) -> _Layer:
+        p = f"model.layers.{i}."
+        return _Layer(
+            input_norm=w[p + "input_layernorm.weight"],
+            q=w[p + "self_attn.q_proj.weight"], k=w[p + "self_attn.k_proj.weight"],
+            v=w[p + "self_attn.v_proj.weight"],
+            q_bias=w.get(p + "self_attn.q_proj.bias"), k_bias=w.get(p + "self_attn.k_proj.bias"),
+            v_bias=w.get(p + "self_attn.v_proj.bias"),
+            o=w[p + "self_attn.o_proj.weight"],
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            gate=w[p + "mlp.gate_proj.weight"], up=w[p + "mlp.up_proj.weight"],
+            down=w[p + "mlp.down_proj.weight"],
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` after the final norm; writes this step's K/V
+        into ``kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        n = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        for index, layer in enumerate(self.layers):
+            x = _rms_norm(h, layer.input_norm, self.eps)
+            q = F.linear(x, layer.q, layer.q_bias).view(n, self.num_heads, self.head_dim)
+            k = F.linear(x, layer.k, layer.k_bias).view(n, self.num_kv_heads, self.head_dim)
+            v = F.linear(x, layer.v, layer.v_bias).view(n, self.num_kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            key_cache, value_cache = kv_cache[0, index], kv_cache[1, index]
+            kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+            o = kernels.paged_attention(
+                q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
+            )
+            h = h + F.linear(o.reshape(n, -1), layer.o)
+            x = _rms_norm(h, layer.post_norm, self.eps)
+            h = h + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
+        return _rms_norm(h, self.final_norm, self.eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

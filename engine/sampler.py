@@ -1,0 +1,170 @@
+"""Batched next-token sampling: greedy, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
+
+Invariants of :func:`sample`:
+
+- a greedy row (temperature 0) gets exactly ``logits[i].argmax()``;
+- a sampling row consumes exactly one float64 uniform per call, from its own generator (or the
+  global RNG when it has none), and its token depends only on its own logits, parameters and that
+  draw: a seeded request yields the same tokens whatever else shares the batch;
+- a token that temperature/top-k/top-p/min-p left with probability 0 is never drawn;
+- logprobs are those of the raw logits (no temperature or filtering), as OpenAI and vLLM report;
+- on an accelerator the host waits once, for the final ``.tolist()``.
+"""
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+_BLOCK = 256  # inverse-CDF sampling picks a block of this many tokens first, then a token in it
+_CPU_NUCLEUS_DEPTH = 1024  # on CPU, top-p first looks for its nucleus among this many tokens
+_BELOW_ONE = 1.0 - 2.0**-52  # x * _BELOW_ONE < x for every positive float64 x
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Draw one token per row of ``logits`` ``[num_rows, vocab]`` (any float dtype and device).
+
+    Row ``i`` follows ``params[i]`` and draws from ``generators[i]`` (on the logits' device) or, if
+    it is None, from the global RNG. Returns the token ids and, per row, a :class:`TokenLogprob`
+    when ``params[i].logprobs`` is not None (``top``: that many best tokens, descending), else None.
+    """
+    num_rows = logits.shape[0]
+    if not len(params) == len(generators) == num_rows:
+        raise ValueError(
+            f"{num_rows} logits rows but {len(params)} params and {len(generators)} generators"
+        )
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(rows) < num_rows:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        chosen = [params[i] for i in rows]
+        x = logits if len(rows) == num_rows else logits.index_select(0, index)
+        temperature = _column([p.temperature for p in chosen], x.device)
+        probs = torch.softmax(x.float() / temperature, dim=-1)
+        threshold = _top_k_top_p_threshold(
+            probs, [p.top_k for p in chosen], [p.top_p for p in chosen]
+        )
+        if any(p.min_p > 0.0 for p in chosen):
+            min_p = _column([p.min_p for p in chosen], x.device) * probs.amax(dim=-1, keepdim=True)
+            threshold = min_p if threshold is None else torch.maximum(threshold, min_p)
+        if threshold is not None:
+            probs.masked_fill_(probs < threshold, 0.0)
+        uniforms = _uniforms([generators[i] for i in rows], x.device)
+        tokens.index_copy_(0, index, _inverse_cdf(probs, uniforms))
+    return _with_logprobs(logits, tokens, params)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """``values`` as a float32 ``[len(values), 1]`` tensor, to broadcast along the vocab."""
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _top_k_top_p_threshold(
+    probs: torch.Tensor, top_k: list[int], top_p: list[float]
+) -> torch.Tensor | None:
+    """Per row (``[rows, 1]``), the probability below which a token is outside the row's
+    ``top_k`` most likely or outside the smallest most-likely set of those whose renormalised
+    mass reaches ``top_p``; 0 for a row with neither filter, None when no row has one.
+
+    ``probs`` rows are softmax outputs (sum 1). The most likely token always stays above the
+    threshold; tokens tied with the last one kept stay too (vLLM keeps ties the same way).
+    """
+    num_rows, vocab = probs.shape
+    rows = [i for i, (k, p) in enumerate(zip(top_k, top_p, strict=True)) if 0 < k < vocab or p < 1]
+    if not rows:
+        return None
+    ks = [top_k[i] if 0 < top_k[i] < vocab else vocab for i in rows]
+    index = torch.tensor(rows, device=probs.device)
+    sub = probs if len(rows) == num_rows else probs.index_select(0, index)
+    k = torch.tensor(ks, device=probs.device)[:, None]
+    p = _column([top_p[i] for i in rows], probs.device)
+    # A row with top-p but no top-k needs its nucleus, which may reach deep into the vocabulary:
+    # a full sort is cheap on an accelerator but slow on CPU, where a top-1024 is tried first.
+    unbounded = vocab in ks
+    depth = max((kk for kk in ks if kk < vocab), default=1)
+    if unbounded:
+        depth = vocab if probs.device.type != "cpu" else max(depth, min(vocab, _CPU_NUCLEUS_DEPTH))
+    while True:
+        values = sub.topk(depth, dim=-1).values
+        keep = torch.arange(depth, device=probs.device) < k
+        kept = values * keep
+        total = torch.where(k < vocab, kept.sum(-1, keepdim=True), 1.0)
+        keep &= (kept.cumsum(-1) - kept < p * total) | (p >= 1)  # stays a prefix of each row
+        if depth == vocab or not unbounded:
+            break
+        closed = (kept.sum(-1, keepdim=True) >= p * total) | (k < vocab)
+        if bool(closed.all()):  # every nucleus ends inside the top `depth` tokens
+            break
+        depth = vocab
+    threshold = values.gather(1, keep.sum(-1, keepdim=True) - 1)
+    if len(rows) == num_rows:
+        return threshold
+    return torch.zeros(num_rows, 1, device=probs.device).index_copy_(0, index, threshold)
+
+
+def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row: from the row's generator, or the global RNG."""
+    if all(g is None for g in generators):
+        return torch.rand(len(generators), dtype=torch.float64, device=device)
+    return torch.cat(
+        [torch.rand(1, dtype=torch.float64, device=device, generator=g) for g in generators]
+    )
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token ids drawn from the rows of the unnormalised, non-negative ``probs`` by inverse CDF.
+
+    Two levels (a block of ``_BLOCK`` tokens by its mass, then a token by its mass inside the
+    block) keep this one vectorised reduction plus small float64 cumsums. A token of probability
+    0 is never returned, whatever the uniform.
+    """
+    rows, vocab = probs.shape
+    pad = -vocab % _BLOCK
+    blocks = (F.pad(probs, (0, pad)) if pad else probs).view(rows, -1, _BLOCK)
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1, dtype=torch.float64)
+    total = block_cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None] * total, total * _BELOW_ONE)
+    block = torch.searchsorted(block_cdf, target, right=True)  # first block whose CDF passes
+    start = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_min(0)), 0.0)
+    inner = blocks.gather(1, block[:, :, None].expand(-1, -1, _BLOCK)).squeeze(1)
+    inner_cdf = inner.cumsum(dim=-1, dtype=torch.float64)
+    rest = torch.minimum(target - start, inner_cdf[:, -1:] * _BELOW_ONE)
+    return (block * _BLOCK + torch.searchsorted(inner_cdf, rest, right=True)).squeeze(1)
+
+
+def _with_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Move the tokens (and the requested logprobs) to the host in one transfer."""
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    parts = [tokens.double()]
+    top = max((params[i].logprobs or 0 for i in wanted), default=0)
+    if wanted:
+        index = torch.tensor(wanted, device=logits.device)
+        logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        parts.append(logp.gather(1, tokens.index_select(0, index)[:, None]).squeeze(1).double())
+        if top:
+            values, ids = logp.topk(top, dim=-1)
+            parts += [values.double().flatten(), ids.double().flatten()]
+    flat = torch.cat(parts).tolist()  # token ids < 2**53 survive float64 exactly
+    num_rows, num_wanted = len(params), len(wanted)
+    token_ids = [int(t) for t in flat[:num_rows]]
+    out: list[TokenLogprob | None] = [None] * num_rows
+    values_at, ids_at = num_rows + num_wanted, num_rows + num_wanted + num_wanted * top
+    for j, i in enumerate(wanted):
+        k = params[i].logprobs or 0
+        row_values = flat[values_at + j * top : values_at + j * top + k]
+        row_ids = flat[ids_at + j * top : ids_at + j * top + k]
+        best = [(int(t), v) for t, v in zip(row_ids, row_values, strict=True)]
+        out[i] = TokenLogprob(token_id=token_ids[i], logprob=flat[num_rows + j], top=best)
+    return token_ids, out

@@ -1,0 +1,109 @@
+"""Continuous batching: each step, running sequences first, then waiting ones, under a token
+budget (chunked prefill) and a sequence cap.
+
+When blocks run out, the least recently used pinned session is released first; only then is
+the lowest-priority running sequence preempted (its blocks freed, to be recomputed later from
+the front of the waiting queue).
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """``num_new_tokens[i]`` tokens of ``seqs[i]`` are computed this step, starting at its
+    ``num_computed_tokens``; ``copies`` are (src, dst) block copies to perform first."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.grow(seq, num_new):
+                if self.kv.sessions.release_lru():
+                    continue
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            num_new = self.kv.admit(seq, budget)
+            while num_new == 0:
+                if not (self.kv.sessions.release_lru(keep=seq.session_id)
+                        or (not self.running and self.kv.sessions.release_lru())):
+                    break
+                num_new = self.kv.admit(seq, budget)
+            if num_new == 0:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+
+        batch.copies = self.kv.pending_copies
+        self.kv.pending_copies = []
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit an already prepared sequence (a forked sample) straight into running."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire a sequence: pin its blocks under its session, or free them."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.session_id is not None and seq.num_computed_tokens > 0:
+            self.kv.pin(seq)
+        else:
+            self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,17 @@
+"""Paged-attention kernels: one contract, a torch reference on CPU, Triton on CUDA.
+
+Layout shared by every implementation:
+- ``key_cache`` / ``value_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+- A slot is ``block_id * block_size + offset``; a negative slot means "padding, skip".
+- ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's
+  last block are never read for attention but must hold a valid block id (the engine pads with 0).
+- ``seq_lens``: int32 ``[num_seqs]``, each sequence's context length *after* this step's tokens
+  were written into the cache.
+- ``query_start_loc``: int32 ``[num_seqs + 1]``, cumulative query lengths over the flattened
+  batch. Query ``j`` of sequence ``i`` sits at position ``seq_lens[i] - q_len_i + j`` and attends
+  to keys ``0..position`` (causal over the new tokens, full over the cached prefix).
+"""
+
+from kernels.dispatch import paged_attention, reshape_and_cache
+
+__all__ = ["paged_attention", "reshape_and_cache"]

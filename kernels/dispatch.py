@@ -1,0 +1,46 @@
+"""Pick the implementation by the tensors' device: Triton on CUDA, torch reference elsewhere."""
+
+import torch
+
+from kernels import reference
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` rows ``[num_tokens, num_kv_heads, head_dim]`` into their slots."""
+    if key.is_cuda:
+        from kernels import triton_cache
+
+        triton_cache.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache."""
+    if query.is_cuda:
+        from kernels import triton_attention
+
+        return triton_attention.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            scale, max_query_len, max_seq_len,
+        )
+    return reference.paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        scale, max_query_len, max_seq_len,
+    )

@@ -1,0 +1,109 @@
+"""Torch reference of the kernel contract (see ``kernels/__init__.py``).
+
+It is the CPU path of the engine and the oracle the Triton kernels are tested against, so it
+favours clarity, but batches decode rows into one padded SDPA call so CPU serving stays usable.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    flat_k = key_cache.view(-1, *key_cache.shape[2:])
+    flat_v = value_cache.view(-1, *value_cache.shape[2:])
+    flat_k.index_copy_(0, slots, key[keep].to(key_cache.dtype))
+    flat_v.index_copy_(0, slots, value[keep].to(value_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence as ``[length, num_kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    out = torch.empty_like(query)
+    lens = seq_lens.tolist()
+    starts = query_start_loc.tolist()
+    decode_rows = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    if decode_rows:
+        _decode(query, key_cache, value_cache, block_tables, lens, starts, decode_rows, scale, out)
+    for i in range(len(lens)):
+        begin, end = starts[i], starts[i + 1]
+        if end - begin <= 1:
+            continue
+        _extend(query[begin:end], key_cache, value_cache, block_tables[i], lens[i], scale,
+                out[begin:end])
+    return out
+
+
+def _extend(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Many queries of one sequence: causal over the new tokens, full over the cached prefix."""
+    q_len = q.shape[0]
+    k = _gather(key_cache, block_table, length).to(q.dtype)
+    v = _gather(value_cache, block_table, length).to(q.dtype)
+    positions = torch.arange(length - q_len, length, device=q.device)
+    mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )
+    out.copy_(o.transpose(0, 1))
+
+
+def _decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: list[int],
+    starts: list[int],
+    rows: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One query per sequence: pad every context to the longest and mask the padding."""
+    block_size = key_cache.shape[1]
+    longest = max(lens[i] for i in rows)
+    num_blocks = -(-longest // block_size)
+    index = torch.tensor(rows, device=query.device)
+    tables = block_tables[index, :num_blocks].long()
+    k = key_cache[tables].flatten(1, 2)[:, :longest].to(query.dtype)
+    v = value_cache[tables].flatten(1, 2)[:, :longest].to(query.dtype)
+    row_lens = torch.tensor([lens[i] for i in rows], device=query.device)
+    mask = torch.arange(longest, device=query.device)[None, :] < row_lens[:, None]
+    token_index = torch.tensor([starts[i] for i in rows], device=query.device)
+    q = query[token_index].unsqueeze(2)
+    o = F.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+    )
+    out[token_index] = o.squeeze(2)

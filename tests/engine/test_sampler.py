@@ -1,0 +1,206 @@
+"""engine.sampler: greedy, seeded reproducibility, top-k/top-p/min-p, distribution, logprobs."""
+
+import pytest
+import torch
+
+from engine.sampler import _inverse_cdf, _top_k_top_p_threshold, sample
+from engine.sampling_params import SamplingParams
+
+
+def _logits(rows: int, vocab: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_equals_argmax(dtype: torch.dtype) -> None:
+    logits = _logits(8, 49152).to(dtype)
+    params = [SamplingParams(temperature=0.0, logprobs=None if i % 2 else 2) for i in range(8)]
+    tokens, logprobs = sample(logits, params, [None] * 8)
+    assert tokens == logits.argmax(-1).tolist()
+    assert [lp is None for lp in logprobs] == [bool(i % 2) for i in range(8)]
+
+
+def test_greedy_rows_exact_in_a_mixed_batch() -> None:
+    logits = _logits(6, 1000)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.5, top_k=i) for i in range(6)]
+    tokens, _ = sample(logits, params, [None] * 6)
+    assert tokens[1::2] == logits[1::2].argmax(-1).tolist()
+
+
+def test_seeded_rows_reproducible_and_independent_of_the_batch() -> None:
+    vocab, steps = 4096, 12
+    logits = [_logits(1, vocab, seed=s, scale=1.0) for s in range(steps)]
+    target = SamplingParams(temperature=1.0, seed=7)
+
+    def run(others: list[SamplingParams], position: int, other_seeds: bool) -> list[int]:
+        gens: list[torch.Generator | None] = [
+            _seeded(100 + i) if other_seeds else None for i in range(len(others))
+        ]
+        params = list(others)
+        params.insert(position, target)
+        gens.insert(position, _seeded(7))
+        out = []
+        for step in range(steps):
+            rows = [_logits(1, vocab, seed=1000 + step * 10 + i)[0] for i in range(len(params))]
+            rows[position] = logits[step][0]
+            tokens, _ = sample(torch.stack(rows), params, gens)
+            out.append(tokens[position])
+        return out
+
+    alone = run([], 0, False)
+    assert alone == run([], 0, False)
+    assert len(set(alone)) > 1  # really sampling
+    mixed = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=20),
+        SamplingParams(temperature=1.3, top_p=0.5, min_p=0.01),
+    ]
+    assert run(mixed, 1, other_seeds=False) == alone
+    assert run(mixed, 3, other_seeds=True) == alone
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy() -> None:
+    logits = _logits(16, 49152, scale=1.0)
+    greedy = logits.argmax(-1).tolist()
+    for params in (
+        SamplingParams(temperature=2.0, top_k=1),
+        SamplingParams(temperature=2.0, top_p=1e-6),
+        SamplingParams(temperature=1.0, top_k=50, top_p=1e-6),
+        SamplingParams(temperature=1.0, min_p=1.0),
+    ):
+        tokens, _ = sample(logits, [params] * 16, [None] * 16)
+        assert tokens == greedy, params
+
+
+def _reference_keep(probs: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The tokens a row keeps, by a plain full sort."""
+    order = probs.argsort(descending=True).tolist()
+    if top_k:
+        order = order[:top_k]
+    mass = float(probs[order].sum())
+    kept, before = [], 0.0
+    for t in order:
+        if before >= top_p * mass and top_p < 1:
+            break
+        kept.append(t)
+        before += float(probs[t])
+    return set(kept)
+
+
+@pytest.mark.parametrize("vocab", [300, 5000])
+def test_top_k_top_p_mask_matches_a_full_sort(vocab: int) -> None:
+    # Flat rows make a nucleus deeper than the CPU's first top-1024 attempt.
+    gen = torch.Generator().manual_seed(3)
+    scales = [0.05, 0.5, 2.0, 6.0, 0.05, 2.0]
+    ks = [0, 0, 5, 0, 2000, 40]
+    ps = [0.9, 0.6, 0.8, 0.95, 0.99, 1.0]
+    probs = torch.softmax(torch.randn(6, vocab, generator=gen) * torch.tensor(scales)[:, None], -1)
+    threshold = _top_k_top_p_threshold(probs, ks, ps)
+    assert threshold is not None
+    for row, (k, p) in enumerate(zip(ks, ps, strict=True)):
+        kept = set((probs[row] >= threshold[row]).nonzero().flatten().tolist())
+        expected = _reference_keep(probs[row], k if k < vocab else 0, p)
+        assert len(kept ^ expected) <= 1, (row, len(kept), len(expected))  # float ties at the cut
+    assert _top_k_top_p_threshold(probs, [0] * 6, [1.0] * 6) is None
+    partial = _top_k_top_p_threshold(probs, [0, 3, 0, 0, 0, 0], [1.0] * 6)
+    assert partial is not None and partial[0].item() == 0.0
+    assert partial[1].item() == probs[1].topk(3).values[-1].item()
+
+
+def test_filtered_tokens_are_never_sampled() -> None:
+    logits = _logits(1, 2000, seed=5, scale=2.0).expand(1000, -1)
+    probs = torch.softmax(logits[0], -1)
+    cases = [
+        (SamplingParams(top_k=7), set(probs.topk(7).indices.tolist())),
+        (SamplingParams(top_p=0.5), _reference_keep(probs, 0, 0.5)),
+        (SamplingParams(min_p=0.2), set((probs >= 0.2 * probs.max()).nonzero().flatten().tolist())),
+    ]
+    torch.manual_seed(0)
+    for params, allowed in cases:
+        tokens, _ = sample(logits, [params] * 1000, [None] * 1000)
+        assert set(tokens) <= allowed, params
+        assert len(set(tokens)) > 1
+
+
+def test_inverse_cdf_never_draws_a_zero_probability_token() -> None:
+    gen = torch.Generator().manual_seed(1)
+    probs = torch.rand(64, 1000, generator=gen) * (torch.rand(64, 1000, generator=gen) < 0.02)
+    probs[:, 0] += (probs.sum(-1) == 0).float()  # every row needs some mass
+    edges = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)
+    uniforms = torch.cat([edges, torch.rand(62, dtype=torch.float64, generator=gen)])
+    tokens = _inverse_cdf(probs, uniforms)
+    assert bool((probs.gather(1, tokens[:, None]) > 0).all())
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.5, 0, 1.0, 0.0),
+        (2.0, 0, 1.0, 0.0),
+        (1.0, 3, 1.0, 0.0),
+        (1.0, 0, 0.7, 0.0),
+        (1.0, 0, 1.0, 0.3),
+    ],
+)
+def test_frequencies_follow_the_filtered_softmax(
+    temperature: float, top_k: int, top_p: float, min_p: float
+) -> None:
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0]])
+    draws = 20000
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    torch.manual_seed(1234)
+    tokens, _ = sample(logits.expand(draws, -1), [params] * draws, [None] * draws)
+    expected = torch.softmax(logits[0] / temperature, -1)
+    keep = _reference_keep(expected, top_k, top_p)
+    keep &= set((expected >= min_p * expected.max()).nonzero().flatten().tolist())
+    mask = torch.zeros(6, dtype=torch.bool)
+    mask[list(keep)] = True
+    expected = expected * mask / (expected * mask).sum()
+    observed = torch.bincount(torch.tensor(tokens), minlength=6).float() / draws
+    assert torch.allclose(observed, expected, atol=0.015), (observed, expected)
+
+
+def test_temperature_sharpens_and_flattens() -> None:
+    logits = _logits(1, 1000, seed=2, scale=1.0).expand(2000, -1)
+    distinct = {}
+    for t in (0.05, 1.0, 2.0):
+        torch.manual_seed(0)
+        tokens, _ = sample(logits, [SamplingParams(temperature=t)] * 2000, [None] * 2000)
+        distinct[t] = len(set(tokens))
+    assert distinct[0.05] < distinct[1.0] < distinct[2.0]
+
+
+def test_logprobs_are_of_the_raw_distribution() -> None:
+    logits = _logits(4, 49152, seed=9).to(torch.bfloat16)
+    params = [
+        SamplingParams(temperature=0.8, top_k=10, logprobs=5),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_p=0.9, logprobs=20),
+    ]
+    tokens, logprobs = sample(logits, params, [_seeded(i) for i in range(4)])
+    raw = torch.log_softmax(logits.float(), -1)
+    assert logprobs[2] is None
+    for row in (0, 1, 3):
+        lp = logprobs[row]
+        assert lp is not None and lp.token_id == tokens[row]
+        assert lp.logprob == pytest.approx(raw[row, tokens[row]].item(), abs=1e-5)
+        k = params[row].logprobs
+        assert len(lp.top) == k
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+        best = raw[row].topk(k) if k else None
+        if best is not None:
+            assert [t for t, _ in lp.top] == best.indices.tolist()
+            assert values == pytest.approx(best.values.tolist(), abs=1e-5)
+    assert logprobs[1].top == []
+
+
+def test_mismatched_lengths_are_rejected() -> None:
+    with pytest.raises(ValueError, match="params"):
+        sample(_logits(2, 10), [SamplingParams()], [None, None])

@@ -1,0 +1,123 @@
+"""Triton kernels against the float64 torch reference, on CPU under ``TRITON_INTERPRET=1``.
+
+Every output is poisoned with NaN first, so an unwritten element fails the test; errors are
+relative, ``‖out − ref‖ / ‖ref‖`` over the rows that carry queries.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import reference, triton_attention, triton_cache  # noqa: E402
+
+BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def check(batch, dtype: torch.dtype, num_splits: int | None = None) -> None:
+    q, k, v, *rest = batch.args(dtype)
+    out = torch.full_like(q, float("nan"))
+    got = triton_attention.paged_attention(q, k, v, *rest, out=out, num_splits=num_splits)
+    assert got is out
+    want = reference.paged_attention(q.double(), k.double(), v.double(), *rest)
+    assert not torch.isnan(got).any(), "unwritten or NaN output"
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err < BOUND[dtype], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "group", "head_dim", "num_splits"),
+    [
+        (torch.float32, 16, 1, 64, None),
+        (torch.float32, 8, 3, 64, 4),
+        (torch.float32, 32, 4, 128, 7),  # more splits than tiles: empty splits
+        (torch.bfloat16, 32, 4, 128, 2),
+        (torch.bfloat16, 8, 8, 64, 3),
+        (torch.float16, 16, 8, 64, 1),
+    ],
+)
+def test_decode(batch_factory, dtype, block_size, group, head_dim, num_splits) -> None:
+    seqs = [(1, 1), (1, 2 * block_size), (1, 150), (1, 77)]
+    batch = batch_factory(seqs, num_kv_heads=2, group=group, head_dim=head_dim,
+                          block_size=block_size, dtype=dtype, seed=block_size + group)
+    check(batch, dtype, num_splits)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "group", "head_dim"),
+    [
+        (torch.float32, 8, 1, 64),
+        (torch.float32, 16, 3, 64),
+        (torch.bfloat16, 32, 4, 64),
+        (torch.float16, 16, 8, 128),
+    ],
+)
+def test_extend(batch_factory, dtype, block_size, group, head_dim) -> None:
+    # Plain prefill, prefill after a cached prefix (partial and full blocks), a 2-token extend.
+    seqs = [(9, 9), (20, 53), (33, 33 + 4 * block_size), (2, 70)]
+    batch = batch_factory(seqs, num_kv_heads=1, group=group, head_dim=head_dim,
+                          block_size=block_size, dtype=dtype, seed=group)
+    check(batch, dtype)
+
+
+def test_extend_many_tiles(batch_factory, monkeypatch) -> None:
+    """Small tiles, so one sequence spans several query tiles and unmasked key tiles."""
+    monkeypatch.setitem(triton_attention.EXTEND_CONFIG, "32",
+                        {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})
+    seqs = [(45, 100), (37, 37), (16, 17)]
+    batch = batch_factory(seqs, num_kv_heads=2, group=2, head_dim=64, block_size=8,
+                          dtype=torch.float32, seed=3)
+    check(batch, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "num_splits"), [(torch.float32, None), (torch.bfloat16, 2)],
+)
+def test_mixed_batch(batch_factory, dtype, num_splits) -> None:
+    """Decode rows, a q_len 0 row, prefill and extend rows in one flattened batch."""
+    seqs = [(1, 60), (12, 12), (1, 5), (0, 9), (7, 40), (1, 129)]
+    batch = batch_factory(seqs, num_kv_heads=2, group=4, head_dim=64, block_size=16,
+                          dtype=dtype, seed=7)
+    q, k, v, *rest = batch.args(dtype)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.paged_attention(q, k, v, *rest, out=out, num_splits=num_splits)
+    want = reference.paged_attention(q.double(), k.double(), v.double(), *rest)
+    assert not torch.isnan(out).any()
+    err = ((out.double() - want).norm() / want.norm()).item()
+    assert err < BOUND[dtype], f"relative error {err:.2e}"
+
+
+def test_default_splits_are_bounded() -> None:
+    cpu = torch.device("cpu")
+    assert triton_attention.num_decode_splits(256, 8, 512, cpu) == 1
+    assert triton_attention.num_decode_splits(1, 1, 10**6, cpu) == triton_attention.MAX_SPLITS
+    assert triton_attention.num_decode_splits(1, 8, 700, cpu) == 6  # ceil(700 / 128)
+    assert triton_attention.num_decode_splits(2, 8, 10**5, cpu) == 8  # 8 * 16 programs / 16
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "block_size"),
+    [(torch.float32, torch.float32, 8), (torch.float32, torch.bfloat16, 16),
+     (torch.float16, torch.float16, 32)],
+)
+def test_reshape_and_cache(src, dst, block_size) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, num_kv_heads, head_dim = 5, 3, 64
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dst)
+    value_cache = torch.randn(shape, generator=gen).to(dst)
+    # Non-contiguous token rows: a slice of a wider [tokens, 2 * heads, dim] tensor.
+    key = torch.randn(7, 2 * num_kv_heads, head_dim, generator=gen).to(src)[:, :num_kv_heads]
+    value = torch.randn(7, num_kv_heads, head_dim, generator=gen).to(src)
+    total = num_blocks * block_size
+    slots = torch.tensor([3, -1, total - 1, block_size, -5, 2 * block_size + 1, 0],
+                         dtype=torch.int64)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, want_k, want_v, slots)
+    triton_cache.reshape_and_cache(key, value, key_cache, value_cache, slots.to(torch.int32))
+    if src == dst:
+        assert torch.equal(key_cache, want_k)
+        assert torch.equal(value_cache, want_v)
+    else:  # the interpreter truncates float32 -> bfloat16 where the GPU rounds: one ulp apart
+        torch.testing.assert_close(key_cache, want_k, rtol=2**-7, atol=0)
+        torch.testing.assert_close(value_cache, want_v, rtol=2**-7, atol=0)

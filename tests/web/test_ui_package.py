@@ -1,0 +1,34 @@
+"""The UI ships inside the package: a wheel (non-editable install) serves the same page."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STATIC = ROOT / "chatgate" / "static"
+
+
+def test_wheel_ships_the_ui(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, src / name)
+    for pkg in ("chatgate", "engine", "kernels"):
+        shutil.copytree(ROOT / pkg, src / pkg,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps",
+                    "--no-build-isolation", "-q", "-w", str(tmp_path / "dist")],
+                   check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("chatgate-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"chatgate/static/{p.relative_to(STATIC).as_posix()}"
+                for p in STATIC.rglob("*") if p.is_file()}
+    assert "chatgate/static/index.html" in expected
+    assert any(n.endswith("/LICENSE") for n in expected)
+    missing = sorted(expected - names)
+    assert not missing, f"the wheel lacks UI files (package-data in pyproject.toml?): {missing}"
