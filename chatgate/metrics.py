@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "chatgate:"
@@ -44,7 +44,7 @@ class _EngineCollector(Collector):
         g.add_metric([self._model], value)
         return g
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         try:
             s = self._get_stats()
         except Exception:  # engine not ready / shutting down
@@ -72,6 +72,11 @@ class _EngineCollector(Collector):
                           waste)
         yield self._gauge("num_free_blocks", "Free KV blocks.",
                           stat(s, "num_blocks_free", "num_free_blocks", "free_blocks"))
+        c = CounterMetricFamily(PREFIX + "num_preemptions",
+                                "Requests preempted (recomputed) for lack of KV blocks.",
+                                labels=["model_name"])
+        c.add_metric([self._model], stat(s, "num_preemptions"))
+        yield c
 
 
 class Metrics:

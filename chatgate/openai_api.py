@@ -101,25 +101,58 @@ def _finish_reason(reason: str | None) -> str | None:
     return reason if reason in ("stop", "length") else "stop"
 
 
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's byte-level BPE alphabet (printable stand-ins for the 256 bytes)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
 class _Logprobs:
-    """Turns engine ``TokenLogprob``s into OpenAI ``logprobs.content`` entries."""
+    """Turns engine ``TokenLogprob``s into OpenAI ``logprobs.content`` entries: ``bytes`` are
+    the token's raw bytes (a token may hold part of a UTF-8 character)."""
 
     def __init__(self, tokenizer: Any, top_n: int) -> None:
         self.tok = tokenizer
         self.top_n = top_n
+        self._cache: dict[int, tuple[str, list[int]]] = {}
 
-    def _text(self, token_id: int) -> str:
-        return self.tok.decode([token_id])
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        raw: bytes | None = None
+        try:
+            piece = self.tok.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and piece and all(ch in _BYTE_DECODER for ch in piece):
+                raw = bytes(_BYTE_DECODER[ch] for ch in piece)
+        except Exception:  # noqa: BLE001 - not a byte-level BPE tokenizer
+            raw = None
+        if raw is None:
+            raw = self.tok.decode([token_id]).encode("utf-8")
+        text = raw.decode("utf-8", errors="replace")
+        self._cache[token_id] = (text, list(raw))
+        return self._cache[token_id]
 
     def entries(self, lps: list[Any]) -> list[dict[str, Any]]:
         out = []
         for lp in lps:
-            t = self._text(lp.token_id)
+            t, b = self._token(lp.token_id)
             top = []
             for tid, val in list(getattr(lp, "top", []) or [])[: self.top_n]:
-                tt = self._text(tid)
-                top.append({"token": tt, "logprob": float(val), "bytes": list(tt.encode())})
-            out.append({"token": t, "logprob": float(lp.logprob), "bytes": list(t.encode()),
+                tt, tb = self._token(tid)
+                top.append({"token": tt, "logprob": float(val), "bytes": tb})
+            out.append({"token": t, "logprob": float(lp.logprob), "bytes": b,
                         "top_logprobs": top})
         return out
 

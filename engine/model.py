@@ -25,6 +25,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    # CUDA only: a static ``[num_tokens, num_heads, head_dim]`` buffer the attention writes
+    # into (CUDA-graph capture); ``None`` lets the kernel allocate its output.
+    attn_out: torch.Tensor | None = None
 
 
 @dataclass
@@ -114,10 +117,19 @@ class LlamaModel:
             k = k * cos + _rotate_half(k) * sin
             key_cache, value_cache = kv_cache[0, index], kv_cache[1, index]
             kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-            o = kernels.paged_attention(
-                q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
-            )
+            if meta.attn_out is None:
+                o = kernels.paged_attention(
+                    q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                    meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
+                )
+            else:
+                from kernels import triton_attention
+
+                o = triton_attention.paged_attention(
+                    q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                    meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
+                    out=meta.attn_out,
+                )
             h = h + F.linear(o.reshape(n, -1), layer.o)
             x = _rms_norm(h, layer.post_norm, self.eps)
             h = h + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)

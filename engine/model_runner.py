@@ -1,7 +1,21 @@
-"""Turns a scheduled batch into kernel inputs, owns the KV cache tensor, runs the model."""
+"""Turns a scheduled batch into kernel inputs, owns the KV cache tensor, runs the model.
+
+Host side: every step's metadata (token ids, positions, slot mapping, block tables, sequence
+lengths, query offsets) is built with numpy and copied to the device without waiting; the only
+host synchronisation per step is the sampler reading the sampled tokens.
+
+CUDA graphs (CUDA only, off with ``EngineConfig.enforce_eager``): a pure-decode step (every row
+has one new token) of up to the largest captured batch size replays a graph captured at the
+next padded batch size (:func:`graph_batch_sizes`). The graph reads static buffers: padding rows
+have slot ``-1`` (nothing written), ``seq_len`` 0 (attention yields zeros) and block-table rows
+that hold valid ids; block tables are ``ceil(max_model_len / block_size)`` wide, and attention
+is captured with ``max_seq_len = max_model_len``, so one graph serves every context length.
+"""
 
 import logging
+import time
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -11,6 +25,25 @@ from engine.scheduler import ScheduledBatch
 logger = logging.getLogger("engine.model_runner")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+MAX_GRAPH_BATCH_SIZE = 256
+
+
+def graph_batch_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH_SIZE) -> list[int]:
+    """Decode batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 up to
+    ``min(max_num_seqs, limit)`` (that cap itself included when it is no multiple of 8)."""
+    cap = max(1, min(max_num_seqs, limit))
+    sizes = [s for s in (1, 2, 4) if s <= cap] + list(range(8, cap + 1, 8))
+    if sizes[-1] != cap:
+        sizes.append(cap)
+    return sizes
+
+
+def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size holding ``num_seqs`` rows, or None when none does."""
+    for size in sizes:
+        if size >= num_seqs:
+            return size
+    return None
 
 
 class ModelRunner:
@@ -18,12 +51,20 @@ class ModelRunner:
         self.model = model
         self.block_size = config.block_size
         self.device = model.device
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = self._num_blocks(config, max_model_len)
         shape = (2, len(model.layers), self.num_blocks, self.block_size,
                  model.num_kv_heads, model.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks,
                     self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_sizes: list[int] = []
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs(graph_batch_sizes(config.max_num_seqs))
 
     @property
     def bytes_per_block(self) -> int:
@@ -49,24 +90,36 @@ class ModelRunner:
     def _profile_cuda_budget(self, config: EngineConfig, max_model_len: int) -> int:
         """Device memory × utilisation, minus what is in use and the activation peak of a
         forward pass over ``max_num_batched_tokens`` tokens."""
-        num_tokens = min(config.max_num_batched_tokens, max_model_len)
-        blocks = -(-num_tokens // self.block_size)
+        num_tokens = config.max_num_batched_tokens
+        # as many sequences of at most max_model_len tokens as one step's token budget holds
+        lens = [min(max_model_len, num_tokens - start)
+                for start in range(0, num_tokens, max_model_len)]
+        per_seq = [-(-n // self.block_size) for n in lens]
+        blocks = sum(per_seq)
         m = self.model
         scratch = torch.zeros((2, len(m.layers), blocks, self.block_size, m.num_kv_heads,
                                m.head_dim), dtype=m.dtype, device=self.device)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
+        first_block = np.cumsum([0] + per_seq[:-1])
+        tables = np.zeros((len(lens), max(per_seq)), dtype=np.int32)
+        slots, positions = [], []
+        for i, n in enumerate(lens):
+            tables[i, :per_seq[i]] = np.arange(per_seq[i]) + first_block[i]
+            slots.append(np.arange(n) + first_block[i] * self.block_size)
+            positions.append(np.arange(n))
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=self.device),
-            block_tables=torch.arange(blocks, device=self.device, dtype=torch.int32)[None],
-            seq_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
-            query_start_loc=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
-            max_query_len=num_tokens, max_seq_len=num_tokens,
+            slot_mapping=self._to_device(np.concatenate(slots)),
+            block_tables=self._to_device(tables),
+            seq_lens=self._to_device(np.asarray(lens, dtype=np.int32)),
+            query_start_loc=self._to_device(np.cumsum([0] + lens).astype(np.int32)),
+            max_query_len=max(lens), max_seq_len=max(lens),
         )
+        position_ids = self._to_device(np.concatenate(positions))
         with torch.inference_mode():
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            hidden = m.forward(ids, torch.arange(num_tokens, device=self.device), meta, scratch)
+            hidden = m.forward(ids, position_ids, meta, scratch)
             m.compute_logits(hidden[-min(num_tokens, config.max_num_seqs):])
         torch.cuda.synchronize()
         activation_peak = torch.cuda.max_memory_allocated() - before
@@ -75,46 +128,177 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info()
         in_use = total - free
         budget = int(total * config.gpu_memory_utilization - in_use - activation_peak)
-        logger.info("GPU memory: %.1f GiB total, %.1f GiB in use, activation peak %.2f GiB",
-                    total / 2**30, in_use / 2**30, activation_peak / 2**30)
+        logger.info("GPU memory: %.1f GiB total, %.1f GiB in use, activation peak %.2f GiB, "
+                    "KV budget %.1f GiB at gpu_memory_utilization %.2f", total / 2**30,
+                    in_use / 2**30, activation_peak / 2**30, budget / 2**30,
+                    config.gpu_memory_utilization)
         return budget
+
+    # -- host-side metadata ------------------------------------------------------------------
+
+    def _host_metadata(self, batch: ScheduledBatch) -> dict[str, np.ndarray]:
+        """Kernel inputs of one step as numpy arrays (see ``kernels/__init__.py``)."""
+        seqs = batch.seqs
+        n = len(seqs)
+        bs = self.block_size
+        num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+        ends = starts + num_new
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((n, width), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+        query_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start[1:])
+        if int(num_new.max()) == 1 and int(num_new.min()) == 1:
+            positions = starts
+            rows = np.arange(n)
+            input_ids = np.fromiter((s.token_ids[p] for s, p in zip(seqs, starts.tolist())),
+                                    dtype=np.int64, count=n)
+        else:
+            total = int(query_start[-1])
+            rows = np.repeat(np.arange(n), num_new)
+            positions = np.arange(total, dtype=np.int64) - np.repeat(query_start[:-1] - starts,
+                                                                    num_new)
+            ids: list[int] = []
+            for seq, start, end in zip(seqs, starts.tolist(), ends.tolist()):
+                ids.extend(seq.token_ids[start:end])
+            input_ids = np.asarray(ids, dtype=np.int64)
+        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        return {"input_ids": input_ids, "positions": positions, "slot_mapping": slots,
+                "block_tables": tables, "seq_lens": ends.astype(np.int32),
+                "query_start_loc": query_start.astype(np.int32), "max_query_len":
+                int(num_new.max()), "max_seq_len": int(ends.max())}
+
+    # -- execution ---------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, sample_indices: list[int]) -> torch.Tensor:
-        """Run one step; returns fp32 logits for the sequences at ``sample_indices``."""
+        """Run one step; returns fp32 logits for the sequences at ``sample_indices``.
+
+        On the CUDA-graph path the result is a view of the graph's static output: read it
+        (the sampler does) before the next ``execute``."""
         if batch.copies:
             src = torch.tensor([s for s, _ in batch.copies], device=self.device)
             dst = torch.tensor([d for _, d in batch.copies], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start = [0]
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + num_new)
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
+        host = self._host_metadata(batch)
+        n = len(batch.seqs)
+        padded = (padded_batch_size(n, self.graph_sizes)
+                  if self.graphs and host["max_query_len"] == 1
+                  and host["block_tables"].shape[1] <= self.max_blocks_per_seq else None)
+        if padded is not None:
+            logits = self._replay(host, n, padded)[:n]
+            self.num_graph_steps += 1
+            if sample_indices != list(range(n)):
+                logits = logits[self._to_device(np.asarray(sample_indices, dtype=np.int64))]
+            return logits
+        self.num_eager_steps += 1
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.long),
-            block_tables=tensor(tables, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            query_start_loc=tensor(query_start, torch.int32),
-            max_query_len=max(batch.num_new_tokens),
-            max_seq_len=max(seq_lens),
+            slot_mapping=self._to_device(host["slot_mapping"]),
+            block_tables=self._to_device(host["block_tables"]),
+            seq_lens=self._to_device(host["seq_lens"]),
+            query_start_loc=self._to_device(host["query_start_loc"]),
+            max_query_len=host["max_query_len"],
+            max_seq_len=host["max_seq_len"],
         )
-        hidden = self.model.forward(tensor(input_ids, torch.long), tensor(positions, torch.long),
-                                    meta, self.kv_cache)
-        last = tensor([query_start[i + 1] - 1 for i in sample_indices], torch.long)
-        return self.model.compute_logits(hidden[last])
+        hidden = self.model.forward(self._to_device(host["input_ids"]),
+                                    self._to_device(host["positions"]), meta, self.kv_cache)
+        last = host["query_start_loc"][1:].astype(np.int64)[sample_indices] - 1
+        return self.model.compute_logits(hidden[self._to_device(last)])
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.to(self.device, non_blocking=True)
+
+    # -- CUDA graphs -------------------------------------------------------------------------
+
+    def _capture_graphs(self, sizes: list[int]) -> None:
+        start = time.perf_counter()
+        max_bs = sizes[-1]
+        m, dev = self.model, self.device
+        self._g = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
+            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32,
+                                        device=dev),
+            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+        }
+        self._attn_out = torch.zeros(max_bs, m.num_heads, m.head_dim, dtype=m.dtype, device=dev)
+        # Pinned host mirrors of the small buffers, copied in one go per step; the event
+        # guards their reuse (already complete in practice: the sampler syncs every step).
+        self._pinned = torch.zeros(5, max_bs + 1, dtype=torch.long).pin_memory()
+        self._pinned_np = self._pinned.numpy()
+        self._pinned_tables = torch.zeros(max_bs * self.max_blocks_per_seq,
+                                          dtype=torch.int32).pin_memory()
+        self._pinned_tables_np = self._pinned_tables.numpy()
+        self._packed = torch.zeros(5, max_bs + 1, dtype=torch.long, device=dev)
+        self._packed_tables = torch.zeros(max_bs * self.max_blocks_per_seq, dtype=torch.int32,
+                                          device=dev)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+        warm = torch.cuda.Stream()
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(warm):
+            for size in sizes:  # JIT-compiles every kernel variant the graphs will use
+                self._decode_forward(size)
+        torch.cuda.current_stream().wait_stream(warm)
+        torch.cuda.synchronize()
+        pool = None
+        with torch.inference_mode():
+            for size in reversed(sizes):  # largest first: smaller graphs reuse its pool
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._decode_forward(size)
+                pool = graph.pool()
+                self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+        self.graph_sizes = sizes
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs", len(sizes),
+                    sizes[0], max_bs, time.perf_counter() - start)
+
+    def _decode_forward(self, size: int) -> torch.Tensor:
+        g = self._g
+        meta = AttentionMetadata(
+            slot_mapping=g["slot_mapping"][:size],
+            block_tables=g["block_tables"][:size],
+            seq_lens=g["seq_lens"][:size],
+            query_start_loc=g["query_start_loc"][:size + 1],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            attn_out=self._attn_out[:size],
+        )
+        hidden = self.model.forward(g["input_ids"][:size], g["positions"][:size], meta,
+                                    self.kv_cache)
+        return self.model.compute_logits(hidden)
+
+    def _replay(self, host: dict[str, np.ndarray], n: int, padded: int) -> torch.Tensor:
+        self._copied.synchronize()
+        p = self._pinned_np
+        p[0, :n] = host["input_ids"]
+        p[1, :n] = host["positions"]
+        p[2, :n] = host["slot_mapping"]
+        p[3, :n] = host["seq_lens"]
+        p[0:2, n:padded] = 0
+        p[2, n:padded] = -1
+        p[3, n:padded] = 0
+        width = host["block_tables"].shape[1]
+        size = n * width
+        self._pinned_tables_np[:size] = host["block_tables"].reshape(-1)
+        g = self._g
+        self._packed[:4, :padded].copy_(self._pinned[:4, :padded], non_blocking=True)
+        self._packed_tables[:size].copy_(self._pinned_tables[:size], non_blocking=True)
+        self._copied.record()
+        g["block_tables"][:n, :width].copy_(self._packed_tables[:size].view(n, width))
+        g["input_ids"][:padded].copy_(self._packed[0, :padded])
+        g["positions"][:padded].copy_(self._packed[1, :padded])
+        g["slot_mapping"][:padded].copy_(self._packed[2, :padded])
+        g["seq_lens"][:padded].copy_(self._packed[3, :padded])
+        graph, logits = self.graphs[padded]
+        graph.replay()
+        return logits

@@ -4,6 +4,7 @@ blocks are back within 1 s and other streams are unaffected."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -112,3 +113,19 @@ async def test_metrics_see_the_abort(server):
     assert m1["chatgate:num_requests_running"] == 0
     key = 'chatgate:request_success_total{finished_reason="abort",model_name="smollm2"}'
     assert m1.get(key, 0) >= m0.get(key, 0) + 1
+
+
+async def test_a_non_streaming_client_that_leaves_aborts_too(server):
+    body = {**LONG, "stream": False}
+    async with httpx.AsyncClient(timeout=120) as client:
+        task = asyncio.create_task(client.post(server.url + "/v1/chat/completions", json=body,
+                                               headers=auth("alice")))
+        deadline = time.monotonic() + 30
+        while (await asyncio.to_thread(server.engine_stats))["num_requests_running"] == 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        task.cancel()  # closes the connection mid-request
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await _wait_running(server, at_most=0, timeout=1.0)
+    server.assert_no_leak()

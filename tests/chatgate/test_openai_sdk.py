@@ -143,6 +143,8 @@ def test_top_k_extension_and_logprobs(client):
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
     # greedy: the sampled token is the most likely one
     assert lp[0].token == lp[0].top_logprobs[0].token
+    # the tokens' raw bytes spell the content
+    assert b"".join(bytes(e.bytes) for e in lp).decode() == r.choices[0].message.content
 
     s = client.chat.completions.create(
         model=MODEL, messages=msgs("Say yes."), temperature=0, max_tokens=4, logprobs=True,

@@ -140,7 +140,7 @@ def test_concurrent_streams_limit(server):
 
 def test_tokens_per_minute_limit(server):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to me."}],
-            "max_tokens": 20}
+            "max_tokens": 20, "ignore_eos": True}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth("tokens"),
                    timeout=60)
     assert r.status_code == 200

@@ -1,0 +1,179 @@
+"""Shared helpers for the benchmark scripts: the ShareGPT-shaped synthetic length
+distribution, output folder, a tee'd log, table printing, percentiles and machine info."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_OUT = ROOT / "docs" / "bench"
+
+
+# -- lengths ------------------------------------------------------------------------------------
+
+def lognormal_params(mean: float, sigma: float) -> tuple[float, float]:
+    """(mu, sigma) of a log-normal with the given mean."""
+    return math.log(mean) - sigma * sigma / 2, sigma
+
+
+def sharegpt_lengths(n: int, seed: int, *, prompt_mean: float = 160.0, output_mean: float = 340.0,
+                     prompt_sigma: float = 1.0, output_sigma: float = 0.9,
+                     max_model_len: int = 2048, min_len: int = 4) -> list[tuple[int, int]]:
+    """``n`` (prompt_len, output_len) pairs with ShareGPT's shape: log-normal, long right tails
+    (means ≈ 160 and ≈ 340 tokens as in the vLLM paper's ShareGPT statistics), each pair capped
+    so prompt + output ≤ ``max_model_len``. Deterministic for a seed."""
+    rng = random.Random(seed)
+    pmu, ps = lognormal_params(prompt_mean, prompt_sigma)
+    omu, os_ = lognormal_params(output_mean, output_sigma)
+    out = []
+    for _ in range(n):
+        p = max(min_len, min(int(rng.lognormvariate(pmu, ps)), max_model_len - min_len))
+        o = max(min_len, min(int(rng.lognormvariate(omu, os_)), max_model_len - p))
+        out.append((p, o))
+    return out
+
+
+def uniformish_lengths(n: int, seed: int, prompt_range: tuple[int, int],
+                       output_range: tuple[int, int]) -> list[tuple[int, int]]:
+    """ShareGPT-like lengths squeezed into ranges: log-uniform within each range (many short,
+    a long tail), deterministic for a seed."""
+    rng = random.Random(seed)
+
+    def draw(lo: int, hi: int) -> int:
+        return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+    return [(draw(*prompt_range), draw(*output_range)) for _ in range(n)]
+
+
+# -- statistics ---------------------------------------------------------------------------------
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); nan when empty."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    k = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return statistics.fmean(values) if values else float("nan")
+
+
+# -- output -------------------------------------------------------------------------------------
+
+class Tee:
+    """Print to stdout and append the same lines to a raw-output file."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.fh = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fh = path.open("w")
+
+    def __call__(self, *parts: object) -> None:
+        line = " ".join(str(p) for p in parts)
+        print(line, flush=True)
+        if self.fh is not None:
+            self.fh.write(line + "\n")
+            self.fh.flush()
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+
+
+def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+    """A plain fixed-width table (also valid inside a Markdown code block)."""
+    cells = [[str(h) for h in header]] + [[fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = []
+    for j, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def fmt(value: object) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
+    return str(value)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def machine_info() -> str:
+    import torch
+
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}",
+             f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()})",
+             f"torch threads {torch.get_num_threads()}"]
+    try:
+        import transformers
+
+        parts.append(f"transformers {transformers.__version__}")
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        load = os.getloadavg()
+        parts.append(f"load avg {load[0]:.1f}")
+    except OSError:  # pragma: no cover
+        pass
+    return ", ".join(parts)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # pragma: no cover
+        pass
+    return platform.processor() or platform.machine()
+
+
+def plt():
+    """matplotlib.pyplot with a file-only backend, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as pyplot
+    except ImportError:
+        print("matplotlib not installed: skipping plots (pip install matplotlib)", flush=True)
+        return None
+    return pyplot
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.t0

@@ -1,0 +1,533 @@
+"""End-to-end engine benchmark (issue 3): correctness against transformers, offline
+throughput against transformers ``generate`` with a static cache, and the batch-256 decode step
+against its memory roofline. One call runs everything and prints a short table last.
+
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_e2e.py            # H200: dummy:llama-3.1-8b, bf16
+
+Same code path on CPU, small (a smoke test of the script itself):
+
+    python benchmarks/gpu_e2e.py --device cpu --model dummy:smollm2-135m --dtype float32 \\
+        --num-requests 16 --quick
+
+Weights are loaded once (``engine.loader.load_model``) and shared, without a copy, by the engine
+(``LLM``) and by transformers (``build_hf_model``). Writes ``gpu_e2e.json`` and ``gpu_e2e.png``
+to ``$OUT`` (default ``./out``).
+
+Method:
+- Correctness: 8 random-token prompts, 32 greedy tokens each, engine (batched, CUDA graphs)
+  against transformers' own greedy decoding (``generate``, ``do_sample=False``, one prompt at a
+  time, EOS disabled like ``ignore_eos``). Random weights can make near-tied logits; every
+  divergence is reported with its logit margin in transformers' logits (top-1 minus the logit of
+  the engine's token, teacher-forced on the engine's tokens). When some prompt diverges, the run
+  repeats the check with the embedding matrix scaled by 16 (exact in bf16, undone afterwards),
+  which makes the residual stream dominated by the embedding and the logits better separated
+  from bf16 rounding noise; both results are reported.
+- Throughput: N ShareGPT-like requests (seeded log-normal lengths: prompts clipped to
+  [32, 1024] tokens, outputs to [32, 512]), random token ids, greedy, ``ignore_eos``, all
+  submitted at once through ``LLM.generate``. Transformers: the same requests in arrival order,
+  left-padded batches of the largest batch size that fits (probed in the same run, with the
+  longest prompt and output), ``generate(cache_implementation="static")``; to bound device time
+  only the first ``--hf-batches`` batches are timed and its tokens/s (useful output tokens, i.e.
+  the requested lengths, not padding) are extrapolated to the whole set.
+- Decode step at batch 256: the engine's captured graph for 256 rows replayed over a context of
+  ``--decode-ctx`` tokens per row; roofline = (weights read + KV read) / copy bandwidth, with
+  the copy bandwidth measured in the same run as in ``benchmarks/kernels.py`` (a 4 GiB
+  device-to-device copy, bytes read + written per second). The full engine step (host work
+  included) at 256 running rows is taken from the throughput run's pure-decode steps.
+"""
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine.llm_engine as llm_engine_module  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.loader import build_hf_model, load_model  # noqa: E402
+
+T0 = time.perf_counter()
+EMBED_SCALE = 16.0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s (read + written) of a large device-to-device copy: median of CUDA-event timings."""
+    numel = 2**31 if device.type == "cuda" else 2**25
+    src = torch.randn(numel, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            if i >= 5:
+                times.append(start.elapsed_time(end) * 1e-3)
+        else:
+            t = time.perf_counter()
+            dst.copy_(src)
+            if i >= 5:
+                times.append(time.perf_counter() - t)
+    bw = 2 * src.nbytes / float(np.median(times))
+    del src, dst
+    return bw
+
+
+def make_requests(n: int, vocab: int, seed: int, prompt_range: tuple[int, int],
+                  output_range: tuple[int, int]) -> list[tuple[list[int], int]]:
+    """ShareGPT-like: log-normal lengths (medians ~1/4 of each range's top), clipped."""
+    rng = np.random.default_rng(seed)
+    p_lo, p_hi = prompt_range
+    o_lo, o_hi = output_range
+    prompt_lens = np.clip(rng.lognormal(math.log(p_hi / 4), 0.8, n), p_lo, p_hi).astype(int)
+    output_lens = np.clip(rng.lognormal(math.log(o_hi / 3), 0.7, n), o_lo, o_hi).astype(int)
+    return [(rng.integers(0, vocab, size=int(p)).tolist(), int(o))
+            for p, o in zip(prompt_lens, output_lens, strict=True)]
+
+
+# -- correctness -----------------------------------------------------------------------------
+
+
+def hf_greedy(hf, prompt: list[int], num_tokens: int, device: torch.device) -> list[int]:
+    ids = torch.tensor([prompt], device=device)
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
+                      do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def teacher_forced_margins(hf, prompt: list[int], tokens: list[int],
+                           device: torch.device) -> list[float]:
+    """Per generated position: transformers' top-1 logit minus its logit of ``tokens[j]``
+    (0 where the engine's token is transformers' argmax), fed the engine's own tokens."""
+    ids = torch.tensor([prompt + tokens[:-1]], device=device)
+    with torch.inference_mode():
+        logits = hf(ids).logits[0, len(prompt) - 1:].float()
+    chosen = logits.gather(1, torch.tensor(tokens, device=device)[:, None]).squeeze(1)
+    return (logits.max(dim=1).values - chosen).tolist()
+
+
+def top2_gap(hf, prompt: list[int], device: torch.device) -> float:
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt], device=device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def check_correctness(llm: LLM, hf, prompts: list[list[int]], num_tokens: int,
+                      device: torch.device) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    engine_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    rows = []
+    for i, (prompt, mine) in enumerate(zip(prompts, engine_tokens, strict=True)):
+        theirs = hf_greedy(hf, prompt, num_tokens, device)
+        margins = teacher_forced_margins(hf, prompt, mine, device)
+        first = next((j for j, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b),
+                     None)
+        row = {"prompt": i, "prompt_len": len(prompt), "equal": first is None,
+               "first_divergence": first, "max_teacher_forced_margin": max(margins),
+               "num_non_argmax": sum(m > 0 for m in margins)}
+        if first is not None:
+            # transformers' logits at the divergence (its own context = the engine's, since
+            # both agree before it): how far the engine's token is from its top-1, and the
+            # top-1/top-2 gap there.
+            row["margin_at_divergence"] = margins[first]
+            row["hf_top2_gap_at_divergence"] = top2_gap(hf, prompt + mine[:first], device)
+            row["engine_token"], row["hf_token"] = mine[first], theirs[first]
+        rows.append(row)
+        log(f"  prompt {i} ({len(prompt)} tokens): "
+            + ("equal" if first is None else
+               f"diverges at token {first}: engine {mine[first]} vs hf {theirs[first]}, "
+               f"hf logit margin {row['margin_at_divergence']:.4f}, "
+               f"hf top-2 gap {row['hf_top2_gap_at_divergence']:.4f}")
+            + f"; teacher-forced max margin {max(margins):.4f}")
+    return {"num_prompts": len(prompts), "num_tokens": num_tokens,
+            "num_equal": sum(r["equal"] for r in rows), "rows": rows}
+
+
+# -- throughput ------------------------------------------------------------------------------
+
+
+class StepRecorder:
+    """Wraps ``LLMEngine.step`` to time every step and note its batch composition."""
+
+    def __init__(self, engine, device: torch.device, total: int) -> None:
+        self.engine, self.device, self.total = engine, device, total
+        self.inner = engine.step
+        self.steps: list[tuple[float, int, bool]] = []  # (seconds, rows, pure decode)
+        self.finished = 0
+        self.last_log = time.perf_counter()
+        engine.step = self.step
+
+    def step(self):
+        sched = self.engine.scheduler
+        start = time.perf_counter()
+        outputs = self.inner()
+        elapsed = time.perf_counter() - start
+        rows = len(sched.running)
+        pure = not sched.waiting and all(
+            s.num_output_tokens > 1 for s in sched.running)
+        self.steps.append((elapsed, rows, pure))
+        self.finished += sum(o.finished for o in outputs)
+        if time.perf_counter() - self.last_log > 5:
+            self.last_log = time.perf_counter()
+            log(f"  engine: {self.finished}/{self.total} requests done, {len(self.steps)} steps, "
+                f"{rows} running, {len(sched.waiting)} waiting")
+        return outputs
+
+    def restore(self) -> None:
+        self.engine.step = self.inner
+
+
+def engine_throughput(llm: LLM, requests, device: torch.device) -> dict:
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in requests]
+    prompts = [p for p, _ in requests]
+    recorder = StepRecorder(llm.engine, device, len(requests))
+    runner = llm.engine.runner
+    graph0, eager0 = runner.num_graph_steps, runner.num_eager_steps
+    sync(device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    recorder.restore()
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert out_tokens == sum(o for _, o in requests), "ignore_eos: every request runs to max"
+    prompt_tokens = sum(len(p) for p in prompts)
+    full = [t for t, rows, pure in recorder.steps if pure and rows == runner_max(llm)]
+    return {
+        "seconds": elapsed, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "total_tokens_per_s": (out_tokens + prompt_tokens) / elapsed,
+        "steps": len(recorder.steps), "graph_steps": runner.num_graph_steps - graph0,
+        "eager_steps": runner.num_eager_steps - eager0,
+        "num_preemptions": llm.engine.scheduler.num_preemptions,
+        "full_decode_steps": len(full),
+        "full_decode_step_median_s": float(np.median(full)) if full else None,
+    }
+
+
+def runner_max(llm: LLM) -> int:
+    return llm.engine.config.max_num_seqs
+
+
+def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
+                         device: torch.device) -> dict:
+    """Replay the captured decode graph of ``batch`` rows, each over ``ctx`` cached tokens in
+    distinct blocks, and compare with (weight bytes + KV bytes) / copy bandwidth."""
+    runner = llm.engine.runner
+    model = runner.model
+    bs = runner.block_size
+    nblk = -(-ctx // bs)
+    if batch * nblk + 1 > runner.num_blocks:
+        return {"skipped": f"needs {batch * nblk + 1} blocks, pool has {runner.num_blocks}"}
+    tables = (np.arange(batch * nblk, dtype=np.int32).reshape(batch, nblk) + 1)
+    positions = np.full(batch, ctx - 1, dtype=np.int64)
+    host = {"input_ids": np.zeros(batch, dtype=np.int64), "positions": positions,
+            "slot_mapping": tables[:, -1].astype(np.int64) * bs + (ctx - 1) % bs,
+            "block_tables": tables, "seq_lens": np.full(batch, ctx, dtype=np.int32)}
+    weight_bytes = sum(t.numel() * t.element_size() for layer in model.layers
+                       for t in vars(layer).values() if t is not None)
+    weight_bytes += model.final_norm.numel() * model.final_norm.element_size()
+    weight_bytes += model.lm_head.numel() * model.lm_head.element_size()
+    weight_bytes += batch * model.embed.shape[1] * model.embed.element_size()  # rows gathered
+    kv_bytes = (2 * len(model.layers) * batch * ctx * model.num_kv_heads * model.head_dim
+                * model.embed.element_size())
+    if not runner.graphs or batch not in runner.graphs:
+        return {"skipped": "no CUDA graph of that batch size (eager run or CPU)"}
+    with torch.inference_mode():
+        runner._replay(host, batch, batch)
+        torch.cuda.synchronize()
+        graph = runner.graphs[batch][0]
+        times = []
+        for _ in range(30):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+    measured = float(np.median(times))
+    roofline = (weight_bytes + kv_bytes) / copy_bw
+    return {"batch": batch, "ctx": ctx, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+            "step_s": measured, "roofline_s": roofline, "fraction": roofline / measured}
+
+
+# -- transformers baseline -------------------------------------------------------------------
+
+
+def hf_generate_batch(hf, batch, device: torch.device, compile_: bool) -> tuple[float, int, int]:
+    """Left-padded static-cache greedy generation of one batch; (seconds, useful output tokens,
+    padded output tokens)."""
+    longest = max(len(p) for p, _ in batch)
+    new = max(o for _, o in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    mask = torch.zeros(len(batch), longest, dtype=torch.long)
+    for i, (p, _) in enumerate(batch):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new,
+                          do_sample=False, pad_token_id=0,
+                          cache_implementation="static", disable_compile=not compile_)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] == longest + new, out.shape
+    return elapsed, sum(o for _, o in batch), len(batch) * new
+
+
+def hf_largest_batch(hf, requests, candidates: list[int], device: torch.device,
+                     compile_: bool) -> int:
+    """The largest candidate batch that runs the longest prompt and output without OOM."""
+    longest = max(len(p) for p, _ in requests)
+    new = max(o for _, o in requests)
+    for size in candidates:
+        try:
+            # a prompt of longest + new - 2 tokens and 2 new ones: the same static cache
+            # length and a larger prefill than any real batch (a conservative probe)
+            ids = torch.zeros(size, longest + new - 2, dtype=torch.long, device=device)
+            with torch.inference_mode():
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                            do_sample=False, pad_token_id=0, cache_implementation="static",
+                            disable_compile=not compile_)
+            sync(device)
+            del ids
+            log(f"  transformers batch {size}: fits")
+            return size
+        except torch.OutOfMemoryError:
+            log(f"  transformers batch {size}: out of memory")
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return candidates[-1]
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--correct-prompts", type=int, default=8)
+    ap.add_argument("--correct-tokens", type=int, default=32)
+    ap.add_argument("--decode-batch", type=int, default=256)
+    ap.add_argument("--decode-ctx", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--hf-batches", type=int, default=2)
+    ap.add_argument("--hf-candidates", type=int, nargs="+", default=[384, 256, 192, 128, 64])
+    ap.add_argument("--hf-compile", action="store_true",
+                    help="let transformers auto-compile the static-cache forward")
+    ap.add_argument("--quick", action="store_true",
+                    help="short lengths (prompts 8-64, outputs 4-32): a smoke test of the script")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32,
+             "float16": torch.float16}[args.dtype]
+    prompt_range, output_range = ((8, 64), (4, 32)) if args.quick else ((32, 1024), (32, 512))
+    import transformers
+    info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": sys.version.split()[0], "args": vars(args)}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    log(f"{info}")
+    result: dict = {"info": info}
+
+    copy_bw = copy_bandwidth(device)
+    result["copy_bandwidth_Bps"] = copy_bw
+    log(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
+
+    loaded = load_model(args.model, device, dtype, seed=args.seed, use_cache=False)
+    vocab = loaded.config.vocab_size
+    sync(device)
+    log(f"loaded {args.model}: {sum(t.numel() for t in loaded.state_dict.values()) / 1e9:.2f} "
+        f"B parameters")
+    llm_engine_module.load_model = lambda *a, **k: loaded  # the engine shares these weights
+
+    start = time.perf_counter()
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager, seed=args.seed)
+    runner = llm.engine.runner
+    kv_gib = runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30
+    result["engine"] = {"init_s": time.perf_counter() - start, "num_kv_blocks": runner.num_blocks,
+                        "kv_cache_gib": kv_gib, "graph_sizes": runner.graph_sizes}
+    log(f"engine up in {result['engine']['init_s']:.1f}s: {runner.num_blocks} KV blocks "
+        f"({kv_gib:.1f} GiB), {len(runner.graph_sizes)} decode graphs")
+
+    # correctness
+    hf = build_hf_model(loaded)
+    hf.generation_config.eos_token_id = None
+    rng = np.random.default_rng(args.seed + 1)
+    hi = 16 if args.quick else 300
+    prompts = [rng.integers(0, vocab, size=int(n)).tolist()
+               for n in rng.integers(4, hi, size=args.correct_prompts)]
+    log(f"correctness: {len(prompts)} prompts x {args.correct_tokens} greedy tokens")
+    corr = {"default_init": check_correctness(llm, hf, prompts, args.correct_tokens, device)}
+    if corr["default_init"]["num_equal"] < len(prompts):
+        embed = loaded.state_dict["model.embed_tokens.weight"]
+        log(f"correctness again with the embedding scaled by {EMBED_SCALE:g}")
+        embed.mul_(EMBED_SCALE)
+        try:
+            corr["embed_x16"] = check_correctness(llm, hf, prompts, args.correct_tokens, device)
+        finally:
+            embed.div_(EMBED_SCALE)
+    result["correctness"] = corr
+
+    # engine throughput
+    requests = make_requests(args.num_requests, vocab, args.seed, prompt_range, output_range)
+    log(f"throughput: {len(requests)} requests, prompts mean "
+        f"{np.mean([len(p) for p, _ in requests]):.0f} tokens, outputs mean "
+        f"{np.mean([o for _, o in requests]):.0f} tokens")
+    result["engine_throughput"] = engine_throughput(llm, requests, device)
+    et = result["engine_throughput"]
+    log(f"engine: {et['output_tokens']} output tokens in {et['seconds']:.1f}s = "
+        f"{et['output_tokens_per_s']:.0f} tok/s ({et['steps']} steps, {et['graph_steps']} "
+        f"graph, {et['num_preemptions']} "
+        f"preemptions)")
+
+    # decode step roofline
+    result["decode_step"] = []
+    if device.type == "cuda":
+        for ctx in args.decode_ctx:
+            r = decode_step_roofline(llm, args.decode_batch, ctx, copy_bw, device)
+            result["decode_step"].append(r)
+            log(f"decode step batch {args.decode_batch} ctx {ctx}: {r}")
+
+    del llm, runner
+    llm_engine_module.load_model = load_model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        log(f"engine freed; {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
+
+    # transformers baseline
+    size = hf_largest_batch(hf, requests, args.hf_candidates, device, args.hf_compile)
+    batches = [requests[i:i + size] for i in range(0, len(requests), size)][:args.hf_batches]
+    hf_time = hf_useful = hf_padded = 0
+    for i, batch in enumerate(batches):
+        t, useful, padded = hf_generate_batch(hf, batch, device, args.hf_compile)
+        hf_time, hf_useful, hf_padded = hf_time + t, hf_useful + useful, hf_padded + padded
+        log(f"  transformers batch {i}: {len(batch)} requests, {useful} useful / {padded} "
+            f"generated tokens in {t:.1f}s")
+    hf_tps = hf_useful / hf_time
+    result["hf_throughput"] = {
+        "batch_size": size, "batches_timed": len(batches), "seconds": hf_time,
+        "useful_output_tokens": hf_useful, "generated_tokens": hf_padded,
+        "output_tokens_per_s": hf_tps,
+        "extrapolated_seconds_all": et["output_tokens"] / hf_tps,
+        "compiled": args.hf_compile,
+    }
+    ratio = et["output_tokens_per_s"] / hf_tps
+    result["ratio"] = ratio
+
+    (out_dir / "gpu_e2e.json").write_text(json.dumps(result, indent=2))
+    plot(result, out_dir / "gpu_e2e.png")
+
+    # table last
+    print()
+    print(f"{info['device']}; torch {info['torch']}, triton {info['triton']}, transformers "
+          f"{info['transformers']}; {args.model} {args.dtype}; copy bw {copy_bw / 1e9:.0f} GB/s")
+    print(f"KV pool {runner_blocks(result)} blocks ({result['engine']['kv_cache_gib']:.1f} GiB); "
+          f"engine init {result['engine']['init_s']:.1f}s")
+    for name, c in corr.items():
+        diverged = [r for r in c["rows"] if not r["equal"]]
+        extra = "".join(f"; p{r['prompt']}@{r['first_divergence']} margin "
+                        f"{r['margin_at_divergence']:.3f} gap {r['hf_top2_gap_at_divergence']:.3f}"
+                        for r in diverged)
+        print(f"correctness ({name}): {c['num_equal']}/{c['num_prompts']} prompts x "
+              f"{c['num_tokens']} tokens equal{extra}")
+    hft = result["hf_throughput"]
+    print(f"{'':28}{'tok/s':>10}{'seconds':>10}")
+    print(f"{'engine (all requests)':28}{et['output_tokens_per_s']:>10.0f}{et['seconds']:>10.1f}")
+    print(f"{'transformers (b=' + str(size) + ', ' + str(len(batches)) + ' batches)':28}"
+          f"{hf_tps:>10.0f}{hft['extrapolated_seconds_all']:>10.1f}  (extrapolated)")
+    print(f"throughput ratio engine / transformers: {ratio:.1f}x (target >= 20x)")
+    for r in result["decode_step"]:
+        if "skipped" in r:
+            print(f"decode step: skipped ({r['skipped']})")
+            continue
+        print(f"decode step batch {r['batch']} ctx {r['ctx']}: {r['step_s'] * 1e3:.2f} ms, "
+              f"roofline {r['roofline_s'] * 1e3:.2f} ms ({(r['weight_bytes'] + r['kv_bytes']) / 1e9:.1f}"
+              f" GB) -> {r['fraction']:.0%} of roofline (target >= 70%)")
+    if et["full_decode_step_median_s"]:
+        print(f"engine step with {args.max_num_seqs} running decode rows (host included): "
+              f"median {et['full_decode_step_median_s'] * 1e3:.2f} ms over "
+              f"{et['full_decode_steps']} steps")
+
+
+def runner_blocks(result: dict) -> int:
+    return result["engine"]["num_kv_blocks"]
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    et, hft = result["engine_throughput"], result["hf_throughput"]
+    axes[0].bar(["chatgate engine", f"transformers\nstatic, b={hft['batch_size']}"],
+                [et["output_tokens_per_s"], hft["output_tokens_per_s"]], color=["C0", "C1"])
+    axes[0].set_ylabel("output tokens/s")
+    axes[0].set_title(f"Offline throughput ({result['ratio']:.1f}x)")
+    steps = [r for r in result["decode_step"] if "skipped" not in r]
+    if steps:
+        labels = [f"ctx {r['ctx']}" for r in steps]
+        x = np.arange(len(steps))
+        axes[1].bar(x - 0.2, [r["step_s"] * 1e3 for r in steps], 0.4, label="measured")
+        axes[1].bar(x + 0.2, [r["roofline_s"] * 1e3 for r in steps], 0.4, label="roofline")
+        axes[1].set_xticks(x, labels)
+        axes[1].set_ylabel("ms")
+        axes[1].set_title(f"Decode step, batch {steps[0]['batch']}")
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""CPU-runnable checks of the model runner's CUDA-graph helpers and host-side metadata."""
+
+import numpy as np
+import pytest
+
+from engine.model_runner import ModelRunner, graph_batch_sizes, padded_batch_size
+from engine.scheduler import ScheduledBatch
+
+
+def test_graph_batch_sizes_pad_to_multiples_of_8_capped():
+    assert graph_batch_sizes(256)[:6] == [1, 2, 4, 8, 16, 24]
+    assert graph_batch_sizes(256)[-1] == 256
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(1000)[-1] == 256
+
+
+@pytest.mark.parametrize("n,expected", [(1, 1), (3, 4), (8, 8), (9, 16), (250, 256), (257, None)])
+def test_padded_batch_size(n, expected):
+    assert padded_batch_size(n, graph_batch_sizes(256)) == expected
+
+
+class _Seq:
+    def __init__(self, tokens, computed, table):
+        self.token_ids, self.num_computed_tokens, self.block_table = tokens, computed, table
+
+
+def test_host_metadata_mixed_batch_matches_definition():
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size = 4
+    seqs = [_Seq(list(range(100, 110)), 9, [7, 3, 5]),      # decode: position 9
+            _Seq(list(range(200, 206)), 0, [2, 8]),         # prefill of 6
+            _Seq(list(range(300, 313)), 5, [1, 4, 6, 9])]   # extend 5..11 (chunk of 7)
+    batch = ScheduledBatch(seqs=seqs, num_new_tokens=[1, 6, 7])
+    host = runner._host_metadata(batch)
+    positions = [9] + list(range(6)) + list(range(5, 12))
+    assert host["positions"].tolist() == positions
+    assert host["input_ids"].tolist() == [109] + list(range(200, 206)) + list(range(305, 312))
+    rows = [0] + [1] * 6 + [2] * 7
+    slots = [seqs[r].block_table[p // 4] * 4 + p % 4 for r, p in zip(rows, positions)]
+    assert host["slot_mapping"].tolist() == slots
+    assert host["seq_lens"].tolist() == [10, 6, 12]
+    assert host["query_start_loc"].tolist() == [0, 1, 7, 14]
+    assert host["block_tables"].tolist() == [[7, 3, 5, 0], [2, 8, 0, 0], [1, 4, 6, 9]]
+    assert host["max_query_len"] == 7 and host["max_seq_len"] == 12
+    assert host["block_tables"].dtype == np.int32
+
+
+def test_host_metadata_pure_decode():
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size = 16
+    seqs = [_Seq(list(range(40)), 39, [4, 9, 11]), _Seq([5, 6], 1, [2])]
+    host = runner._host_metadata(ScheduledBatch(seqs=seqs, num_new_tokens=[1, 1]))
+    assert host["input_ids"].tolist() == [39, 6]
+    assert host["positions"].tolist() == [39, 1]
+    assert host["slot_mapping"].tolist() == [11 * 16 + 7, 2 * 16 + 1]
+    assert host["max_query_len"] == 1
