@@ -3,9 +3,9 @@
 Invariants of :func:`sample`:
 
 - a greedy row (temperature 0) gets exactly ``logits[i].argmax()``;
-- a sampling row consumes exactly one float64 uniform per call, from its own generator (or the
-  global RNG when it has none), and its token depends only on its own logits, parameters and that
-  draw: a seeded request yields the same tokens whatever else shares the batch;
+- a sampling row draws one exponential per vocabulary entry from its own generator (or the
+  global RNG when it has none), and its token depends only on its own logits, parameters and
+  that noise: a seeded request yields the same tokens whatever else shares the batch;
 - a token that temperature/top-k/top-p/min-p left with probability 0 is never drawn;
 - logprobs are those of the raw logits (no temperature or filtering), as OpenAI and vLLM report;
 - on an accelerator the host waits once, for the final ``.tolist()``.
@@ -14,14 +14,11 @@ Invariants of :func:`sample`:
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
-_BLOCK = 256  # inverse-CDF sampling picks a block of this many tokens first, then a token in it
 _CPU_NUCLEUS_DEPTH = 1024  # on CPU, top-p first looks for its nucleus among this many tokens
-_BELOW_ONE = 1.0 - 2.0**-52  # x * _BELOW_ONE < x for every positive float64 x
 
 
 def sample(
@@ -59,8 +56,7 @@ def sample(
             threshold = min_p if threshold is None else torch.maximum(threshold, min_p)
         if threshold is not None:
             probs.masked_fill_(probs < threshold, 0.0)
-        uniforms = _uniforms([generators[i] for i in rows], x.device)
-        tokens.index_copy_(0, index, _inverse_cdf(probs, uniforms))
+        tokens.index_copy_(0, index, _exponential_race(probs, [generators[i] for i in rows]))
     return _with_logprobs(logits, tokens, params)
 
 
@@ -112,34 +108,22 @@ def _top_k_top_p_threshold(
     return torch.zeros(num_rows, 1, device=probs.device).index_copy_(0, index, threshold)
 
 
-def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """One float64 uniform in [0, 1) per row: from the row's generator, or the global RNG."""
+def _exponential_race(probs: torch.Tensor,
+                      generators: list[torch.Generator | None]) -> torch.Tensor:
+    """``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. per token: an exact draw from each row of
+    the unnormalised, non-negative ``probs`` (the Gumbel-max trick in multiplicative form).
+
+    Each row's noise comes from its own generator, so a seeded row's draw never depends on the
+    rest of the batch; and unlike an inverse CDF, whose cumulative sums turn a tiny difference
+    in the logits (another batch size, another kernel) into another token, the race only flips
+    on a near-exact tie. A token of probability 0 is never drawn."""
+    noise = torch.empty_like(probs)
     if all(g is None for g in generators):
-        return torch.rand(len(generators), dtype=torch.float64, device=device)
-    return torch.cat(
-        [torch.rand(1, dtype=torch.float64, device=device, generator=g) for g in generators]
-    )
-
-
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Token ids drawn from the rows of the unnormalised, non-negative ``probs`` by inverse CDF.
-
-    Two levels (a block of ``_BLOCK`` tokens by its mass, then a token by its mass inside the
-    block) keep this one vectorised reduction plus small float64 cumsums. A token of probability
-    0 is never returned, whatever the uniform.
-    """
-    rows, vocab = probs.shape
-    pad = -vocab % _BLOCK
-    blocks = (F.pad(probs, (0, pad)) if pad else probs).view(rows, -1, _BLOCK)
-    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1, dtype=torch.float64)
-    total = block_cdf[:, -1:]
-    target = torch.minimum(uniforms[:, None] * total, total * _BELOW_ONE)
-    block = torch.searchsorted(block_cdf, target, right=True)  # first block whose CDF passes
-    start = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_min(0)), 0.0)
-    inner = blocks.gather(1, block[:, :, None].expand(-1, -1, _BLOCK)).squeeze(1)
-    inner_cdf = inner.cumsum(dim=-1, dtype=torch.float64)
-    rest = torch.minimum(target - start, inner_cdf[:, -1:] * _BELOW_ONE)
-    return (block * _BLOCK + torch.searchsorted(inner_cdf, rest, right=True)).squeeze(1)
+        noise.exponential_()
+    else:
+        for row, generator in enumerate(generators):
+            noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
 
 
 def _with_logprobs(
