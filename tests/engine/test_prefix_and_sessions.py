@@ -17,8 +17,8 @@ LONG_SYSTEM = (
     "Do not discuss competitors. Keep a friendly, practical tone and suggest the right tool "
     "for the job when the customer describes a project. Mention the weekly workshop on "
     "Thursday evenings, where staff demonstrate power tools and answer renovation questions. "
-    "Parking behind the shop is free for customers for the first hour. Keys can be cut while you wait, and paint "
-    "can be mixed to any colour in about ten minutes."
+    "Parking behind the shop is free for customers for the first hour. Keys can be cut while "
+    "you wait, and paint can be mixed to any colour in about ten minutes."
 )
 
 
