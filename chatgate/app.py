@@ -33,6 +33,7 @@ from chatgate.sessions import is_store_error, make_store
 from chatgate.settings import Settings
 from chatgate.tenants import TenantRegistry
 from chatgate.ws import ws_endpoint
+from engine import AsyncEngine, EngineConfig
 
 log = logging.getLogger("chatgate")
 
@@ -50,39 +51,22 @@ def static_dir() -> Path | None:
     return None
 
 
-def load_engine(settings: Settings) -> Any:
+def load_engine(settings: Settings) -> AsyncEngine:
     """Build the engine (blocking: loads weights, sizes the KV cache)."""
-    from engine import AsyncEngine, EngineConfig
-
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    kw = {k: v for k, v in settings.engine.engine_kwargs().items() if k in fields}
-    ignored = sorted(k for k, v in settings.engine.engine_kwargs().items()
-                     if k not in fields and v is not None)
-    if ignored:
-        log.warning("engine does not know %s; ignored", ", ".join(ignored))
-    log.info("loading model %r (device=%s, dtype=%s, block_size=%d)...", kw.get("model"),
-             kw.get("device") or "auto", kw.get("dtype") or "auto", kw.get("block_size", 16))
+    kw = settings.engine.engine_kwargs()
+    log.info("loading model %r (device=%s, dtype=%s, block_size=%d)...", kw["model"],
+             kw["device"] or "auto", kw["dtype"] or "auto", kw["block_size"])
     t0 = time.perf_counter()
     engine = AsyncEngine(EngineConfig(**kw))
-    log.info("model %s loaded in %.1fs: max_model_len=%d", getattr(engine, "model_name", "?"),
+    log.info("model %s loaded in %.1fs: max_model_len=%d", engine.model_name,
              time.perf_counter() - t0, engine.max_model_len)
     return engine
 
 
-def _stats_dict(engine: Any) -> dict[str, Any]:
-    try:
-        s = engine.stats()
-    except Exception:  # noqa: BLE001
-        return {}
-    if dataclasses.is_dataclass(s):
-        d = dataclasses.asdict(s)
-        for prop in ("kv_cache_usage", "kv_waste", "num_tokens_computed"):
-            with contextlib.suppress(Exception):
-                d[prop] = getattr(s, prop)
-        return d
-    if isinstance(s, dict):
-        return dict(s)
-    return {k: v for k, v in vars(s).items() if not k.startswith("_")}
+def _stats_dict(engine: AsyncEngine) -> dict[str, Any]:
+    stats = engine.stats()
+    return {**dataclasses.asdict(stats), "kv_cache_usage": stats.kv_cache_usage,
+            "kv_waste": stats.kv_waste, "num_tokens_computed": stats.num_tokens_computed}
 
 
 async def healthz(request: Request) -> Response:
@@ -135,14 +119,13 @@ async def _index(request: Request) -> Response:
         "/v1/models", "/v1/chat/completions", "/v1/ws", "/v1/sessions", "/metrics", "/healthz"]})
 
 
-def create_app(settings: Settings | None = None, engine: Any = None) -> Starlette:
+def create_app(settings: Settings | None = None, engine: AsyncEngine | None = None) -> Starlette:
     """The ASGI app. ``engine``: an already-built engine (else loaded at start-up)."""
     settings = settings or Settings()
     tenants = TenantRegistry.load(settings.tenants_file, settings.server_secret)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        from engine import SamplingParams
 
         store = make_store(settings.redis_url, settings.session_ttl, settings.redis_prefix)
         try:  # fail fast, before the (slow) model load
@@ -158,7 +141,7 @@ def create_app(settings: Settings | None = None, engine: Any = None) -> Starlett
         metrics = Metrics(settings.served_model_name or eng.model_name)
         metrics.attach_engine(eng.stats)
         gw = Gateway(settings, eng, tenants, store, metrics)
-        await gw.warm_tenants(SamplingParams)
+        await gw.warm_tenants()
         gw.start_background()
         app.state.metrics = metrics
         app.state.gateway = gw

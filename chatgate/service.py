@@ -22,6 +22,7 @@ from chatgate.ratelimit import RateLimited, RateLimiter
 from chatgate.sessions import SessionStore
 from chatgate.settings import Settings
 from chatgate.tenants import Tenant, TenantRegistry
+from engine import AsyncEngine, RequestOutput, SamplingParams
 
 log = logging.getLogger("chatgate")
 
@@ -74,7 +75,7 @@ class Gateway:
     def __init__(
         self,
         settings: Settings,
-        engine: Any,
+        engine: AsyncEngine,
         tenants: TenantRegistry,
         store: SessionStore,
         metrics: Metrics,
@@ -85,8 +86,8 @@ class Gateway:
         self.store = store
         self.metrics = metrics
         self.limiter = RateLimiter()
-        self.model_name: str = settings.served_model_name or getattr(engine, "model_name", "")
-        self._engine_model_name: str = getattr(engine, "model_name", self.model_name)
+        self.model_name: str = settings.served_model_name or engine.model_name
+        self._engine_model_name: str = engine.model_name
         # engine session id -> monotonic time of last use (sessions pinned by this process)
         self._pinned: dict[str, float] = {}
         self._busy: set[str] = set()
@@ -124,14 +125,10 @@ class Gateway:
     # ----------------------------------------------------------------- prompts
     @property
     def max_model_len(self) -> int:
-        return int(self.engine.max_model_len)
+        return self.engine.max_model_len
 
     def render(self, messages: list[dict[str, str]], eid: str | None) -> list[int]:
-        try:
-            ids = self.engine.render_chat(messages, session_id=eid)
-        except TypeError:
-            ids = self.engine.render_chat(messages)
-        return list(ids)
+        return self.engine.render_chat(messages, session_id=eid)
 
     def check_prompt(self, prompt_ids: list[int], max_tokens: int | None, *, clamp: bool) -> int:
         """Validate the prompt length; return the max_tokens to use."""
@@ -152,12 +149,12 @@ class Gateway:
         self,
         tenant: Tenant,
         prompt_ids: list[int],
-        params: Any,
+        params: SamplingParams,
         stats: TurnStats,
         *,
         eid: str | None = None,
         transport: str = "http",
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the engine's ``RequestOutput``s; closing/cancelling this iterator aborts the
         engine request. ``stats`` is filled in as the request runs."""
         request_id = f"{transport}-{uuid.uuid4().hex}"
@@ -176,7 +173,7 @@ class Gateway:
                 now = time.perf_counter()
                 if first:
                     first = False
-                    stats.cached_tokens = int(getattr(out, "num_cached_tokens", 0) or 0)
+                    stats.cached_tokens = out.num_cached_tokens
                     self.metrics.observe_prompt(stats.prompt_tokens, stats.cached_tokens)
                 new = 0
                 for c in out.outputs:
@@ -219,7 +216,7 @@ class Gateway:
             if eid is not None:
                 self._pinned[eid] = time.monotonic()
 
-    async def _abort(self, gen: Any, request_id: str) -> None:
+    async def _abort(self, gen: AsyncIterator[RequestOutput], request_id: str) -> None:
         with contextlib.suppress(Exception):
             await self.engine.abort(request_id)
         with contextlib.suppress(Exception):
@@ -264,7 +261,7 @@ class Gateway:
             except Exception:  # noqa: BLE001
                 log.exception("idle unpin failed")
 
-    async def warm_tenants(self, sampling_params_cls: Any) -> None:
+    async def warm_tenants(self) -> None:
         """Prefill and pin each tenant's configured system prompts (salted per tenant)."""
         tok = self.engine.tokenizer
         for tenant in self.tenants.tenants.values():
@@ -275,7 +272,7 @@ class Gateway:
                     ids = ids["input_ids"]
                 ids = list(ids)[: self.max_model_len - 1]
                 eid = f"{tenant.id}:__warm__{i}"
-                params = sampling_params_cls(max_tokens=1, temperature=0.0)
+                params = SamplingParams(max_tokens=1, temperature=0.0)
                 rid = f"warm-{uuid.uuid4().hex}"
                 salt = self.tenants.cache_salt(tenant)
                 async for _ in self.engine.generate(ids, params, request_id=rid, session_id=eid,

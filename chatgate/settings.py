@@ -29,7 +29,7 @@ class EngineSettings(BaseModel):
     seed: int = 0
 
     def engine_kwargs(self) -> dict:
-        """Keyword arguments for ``engine.EngineConfig`` (only the fields it declares)."""
+        """Keyword arguments for ``engine.EngineConfig``."""
         kw = self.model_dump()
         if kw.get("dtype") == "auto":
             kw["dtype"] = None
