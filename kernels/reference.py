@@ -27,8 +27,8 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     """The first ``length`` tokens of one sequence as ``[length, num_kv_heads, head_dim]``."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    blocks = cache[block_table[:num_blocks].long()]
-    return blocks.reshape(-1, *cache.shape[2:])[:length]
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.view(-1, *cache.shape[2:])[:length]
 
 
 def paged_attention(
@@ -95,9 +95,10 @@ def _decode(
     longest = max(lens[i] for i in rows)
     num_blocks = -(-longest // block_size)
     index = torch.tensor(rows, device=query.device)
-    tables = block_tables[index, :num_blocks].long()
-    k = key_cache[tables].flatten(1, 2)[:, :longest].to(query.dtype)
-    v = value_cache[tables].flatten(1, 2)[:, :longest].to(query.dtype)
+    flat = block_tables[index, :num_blocks].long().flatten()
+    shape = (len(rows), num_blocks * block_size, *key_cache.shape[2:])
+    k = key_cache.index_select(0, flat).view(shape)[:, :longest].to(query.dtype)
+    v = value_cache.index_select(0, flat).view(shape)[:, :longest].to(query.dtype)
     row_lens = torch.tensor([lens[i] for i in rows], device=query.device)
     mask = torch.arange(longest, device=query.device)[None, :] < row_lens[:, None]
     token_index = torch.tensor([starts[i] for i in rows], device=query.device)
@@ -106,4 +107,4 @@ def _decode(
         q, k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
     )
-    out[token_index] = o.squeeze(2)
+    out.index_copy_(0, token_index, o.squeeze(2))
