@@ -33,8 +33,13 @@ class _Request:
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer | None]
     pending_forks: list[Sequence]
-    deltas: list[str] = field(default_factory=list)
-    delta_token_ids: list[list[int]] = field(default_factory=list)
+    # per sample, how much text / how many tokens earlier outputs already carried
+    sent_chars: list[int] = field(init=False)
+    sent_tokens: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sent_chars = [0] * len(self.seqs)
+        self.sent_tokens = [0] * len(self.seqs)
 
     @property
     def finished(self) -> bool:
@@ -224,26 +229,22 @@ class LLMEngine:
     def _output(self, request: _Request) -> RequestOutput:
         """Cumulative outputs plus the deltas since the previous output of this request."""
         completions = []
-        if not request.deltas:
-            request.deltas = ["" for _ in request.seqs]
-            request.delta_token_ids = [[] for _ in request.seqs]
         for seq, detok in zip(request.seqs, request.detokenizers, strict=True):
             text = detok.text if detok is not None else ""
-            sent_text, sent_tokens = request.deltas[seq.index], request.delta_token_ids[seq.index]
             output_ids = seq.output_token_ids
+            i = seq.index
             completions.append(CompletionOutput(
-                index=seq.index,
+                index=i,
                 text=text,
                 token_ids=output_ids,
                 finish_reason=seq.finish_reason,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 stop_reason=seq.stop_reason,
-                delta_text=text[len(sent_text):],
-                delta_token_ids=output_ids[len(sent_tokens):],
+                delta_text=text[request.sent_chars[i]:],
+                delta_token_ids=output_ids[request.sent_tokens[i]:],
             ))
-            request.deltas[seq.index] = text
-            request.delta_token_ids[seq.index] = output_ids
+            request.sent_chars[i], request.sent_tokens[i] = len(text), len(output_ids)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
