@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine.llm_engine as llm_engine_module  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.loader import build_hf_model, load_model  # noqa: E402
+from engine.loader import build_hf_model, dummy_config, load_model  # noqa: E402
 
 T0 = time.perf_counter()
 EMBED_SCALE = 16.0
@@ -164,6 +164,30 @@ def check_correctness(llm: LLM, hf, prompts: list[list[int]], num_tokens: int,
             "num_equal": sum(r["equal"] for r in rows), "rows": rows}
 
 
+def fp32_correctness(args, device: torch.device, prompts: list[list[int]]) -> dict:
+    """The same check in float32 (weights from the same seed, generated in fp32): no bf16
+    rounding, so near-ties cannot flip and tokens must be equal."""
+    loaded = load_model(args.model, device, torch.float32, seed=args.seed, use_cache=False)
+    llm_engine_module.load_model = lambda *a, _loaded=loaded, **k: _loaded
+    try:
+        llm = LLM(model=args.model, device=args.device, dtype="float32",
+                  max_num_seqs=len(prompts), max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len, num_kv_blocks=1024,
+                  enable_prefix_caching=False, enforce_eager=args.enforce_eager, seed=args.seed)
+        hf = build_hf_model(loaded)
+        hf.generation_config.eos_token_id = None
+        log(f"correctness (float32): {len(prompts)} prompts x {args.correct_tokens} greedy "
+            f"tokens, {len(llm.engine.runner.graph_sizes)} decode graphs")
+        result = check_correctness(llm, hf, prompts, args.correct_tokens, device)
+    finally:
+        llm_engine_module.load_model = load_model
+    del llm, hf, loaded
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
 # -- throughput ------------------------------------------------------------------------------
 
 
@@ -173,25 +197,25 @@ class StepRecorder:
     def __init__(self, engine, device: torch.device, total: int) -> None:
         self.engine, self.device, self.total = engine, device, total
         self.inner = engine.step
-        self.steps: list[tuple[float, int, bool]] = []  # (seconds, rows, pure decode)
+        self.steps: list[tuple[float, int, bool]] = []  # (seconds, rows, CUDA-graph step)
         self.finished = 0
         self.last_log = time.perf_counter()
         engine.step = self.step
 
     def step(self):
         sched = self.engine.scheduler
+        runner = self.engine.runner
+        graph_steps = runner.num_graph_steps
+        rows = len(sched.running)
         start = time.perf_counter()
         outputs = self.inner()
         elapsed = time.perf_counter() - start
-        rows = len(sched.running)
-        pure = not sched.waiting and all(
-            s.num_output_tokens > 1 for s in sched.running)
-        self.steps.append((elapsed, rows, pure))
+        self.steps.append((elapsed, rows, runner.num_graph_steps > graph_steps))
         self.finished += sum(o.finished for o in outputs)
         if time.perf_counter() - self.last_log > 5:
             self.last_log = time.perf_counter()
             log(f"  engine: {self.finished}/{self.total} requests done, {len(self.steps)} steps, "
-                f"{rows} running, {len(sched.waiting)} waiting")
+                f"{len(sched.running)} running, {len(sched.waiting)} waiting")
         return outputs
 
     def restore(self) -> None:
@@ -213,7 +237,8 @@ def engine_throughput(llm: LLM, requests, device: torch.device) -> dict:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(o for _, o in requests), "ignore_eos: every request runs to max"
     prompt_tokens = sum(len(p) for p in prompts)
-    full = [t for t, rows, pure in recorder.steps if pure and rows == runner_max(llm)]
+    full = [t for t, rows, graph in recorder.steps if graph and rows == runner_max(llm)]
+    graph_time = sum(t for t, _, graph in recorder.steps if graph)
     return {
         "seconds": elapsed, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
         "output_tokens_per_s": out_tokens / elapsed,
@@ -221,7 +246,8 @@ def engine_throughput(llm: LLM, requests, device: torch.device) -> dict:
         "steps": len(recorder.steps), "graph_steps": runner.num_graph_steps - graph0,
         "eager_steps": runner.num_eager_steps - eager0,
         "num_preemptions": llm.engine.scheduler.num_preemptions,
-        "full_decode_steps": len(full),
+        "full_decode_steps": len(full), "graph_steps_seconds": graph_time,
+        "eager_steps_seconds": sum(t for t, _, _ in recorder.steps) - graph_time,
         "full_decode_step_median_s": float(np.median(full)) if full else None,
     }
 
@@ -245,8 +271,12 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
     host = {"input_ids": np.zeros(batch, dtype=np.int64), "positions": positions,
             "slot_mapping": tables[:, -1].astype(np.int64) * bs + (ctx - 1) % bs,
             "block_tables": tables, "seq_lens": np.full(batch, ctx, dtype=np.int32)}
-    weight_bytes = sum(t.numel() * t.element_size() for layer in model.layers
-                       for t in vars(layer).values() if t is not None)
+    storages = {}
+    for layer in model.layers:  # fused q/k/v and gate/up are views: count each storage once
+        for t in vars(layer).values():
+            if isinstance(t, torch.Tensor):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    weight_bytes = sum(storages.values())
     weight_bytes += model.final_norm.numel() * model.final_norm.element_size()
     weight_bytes += model.lm_head.numel() * model.lm_head.element_size()
     weight_bytes += batch * model.embed.shape[1] * model.embed.element_size()  # rows gathered
@@ -343,8 +373,13 @@ def main() -> None:
     ap.add_argument("--correct-prompts", type=int, default=8)
     ap.add_argument("--correct-tokens", type=int, default=32)
     ap.add_argument("--decode-batch", type=int, default=256)
-    ap.add_argument("--decode-ctx", type=int, nargs="+", default=[512, 1024])
-    ap.add_argument("--hf-batches", type=int, default=2)
+    ap.add_argument("--decode-ctx", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--hf-batches", type=int, default=1)
+    ap.add_argument("--no-fp32-check", action="store_true",
+                    help="skip the float32 correctness check (a separate fp32 load)")
+    ap.add_argument("--retry-embed-scale", action="store_true",
+                    help=f"on a bf16 divergence, re-check with the embedding scaled by "
+                         f"{EMBED_SCALE:g}")
     ap.add_argument("--hf-candidates", type=int, nargs="+", default=[384, 256, 192, 128, 64])
     ap.add_argument("--hf-compile", action="store_true",
                     help="let transformers auto-compile the static-cache forward")
@@ -377,6 +412,16 @@ def main() -> None:
     result["copy_bandwidth_Bps"] = copy_bw
     log(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
 
+    rng = np.random.default_rng(args.seed + 1)
+    hi = 16 if args.quick else 300
+    vocab = (dummy_config(args.model.removeprefix("dummy:")).vocab_size
+             if args.model.startswith("dummy:") else 1000)
+    correct_prompts = [rng.integers(0, vocab, size=int(n)).tolist()
+                       for n in rng.integers(4, hi, size=args.correct_prompts)]
+    corr: dict = {}
+    if not args.no_fp32_check and dtype != torch.float32:
+        corr["float32"] = fp32_correctness(args, device, correct_prompts)
+
     loaded = load_model(args.model, device, dtype, seed=args.seed, use_cache=False)
     vocab = loaded.config.vocab_size
     sync(device)
@@ -400,18 +445,16 @@ def main() -> None:
     # correctness
     hf = build_hf_model(loaded)
     hf.generation_config.eos_token_id = None
-    rng = np.random.default_rng(args.seed + 1)
-    hi = 16 if args.quick else 300
-    prompts = [rng.integers(0, vocab, size=int(n)).tolist()
-               for n in rng.integers(4, hi, size=args.correct_prompts)]
-    log(f"correctness: {len(prompts)} prompts x {args.correct_tokens} greedy tokens")
-    corr = {"default_init": check_correctness(llm, hf, prompts, args.correct_tokens, device)}
-    if corr["default_init"]["num_equal"] < len(prompts):
+    log(f"correctness ({args.dtype}): {len(correct_prompts)} prompts x {args.correct_tokens} "
+        f"greedy tokens")
+    corr[args.dtype] = check_correctness(llm, hf, correct_prompts, args.correct_tokens, device)
+    if corr[args.dtype]["num_equal"] < len(correct_prompts) and args.retry_embed_scale:
         embed = loaded.state_dict["model.embed_tokens.weight"]
         log(f"correctness again with the embedding scaled by {EMBED_SCALE:g}")
         embed.mul_(EMBED_SCALE)
         try:
-            corr["embed_x16"] = check_correctness(llm, hf, prompts, args.correct_tokens, device)
+            corr[f"{args.dtype}_embed_x16"] = check_correctness(
+                llm, hf, correct_prompts, args.correct_tokens, device)
         finally:
             embed.div_(EMBED_SCALE)
     result["correctness"] = corr
@@ -489,9 +532,13 @@ def main() -> None:
         if "skipped" in r:
             print(f"decode step: skipped ({r['skipped']})")
             continue
+        gb = (r["weight_bytes"] + r["kv_bytes"]) / 1e9
         print(f"decode step batch {r['batch']} ctx {r['ctx']}: {r['step_s'] * 1e3:.2f} ms, "
-              f"roofline {r['roofline_s'] * 1e3:.2f} ms ({(r['weight_bytes'] + r['kv_bytes']) / 1e9:.1f}"
-              f" GB) -> {r['fraction']:.0%} of roofline (target >= 70%)")
+              f"roofline {r['roofline_s'] * 1e3:.2f} ms ({gb:.1f} GB) -> {r['fraction']:.0%} "
+              f"of roofline (target >= 70%)")
+    print(f"engine time in CUDA-graph decode steps {et['graph_steps_seconds']:.1f}s "
+          f"({et['graph_steps']} steps), in eager (prefill/mixed) steps "
+          f"{et['eager_steps_seconds']:.1f}s ({et['eager_steps']} steps)")
     if et["full_decode_step_median_s"]:
         print(f"engine step with {args.max_num_seqs} running decode rows (host included): "
               f"median {et['full_decode_step_median_s'] * 1e3:.2f} ms over "

@@ -44,6 +44,10 @@ class _Layer:
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
+    # fused layout (CUDA): q/k/v and gate/up are row views of these
+    qkv: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+    gate_up: torch.Tensor | None = None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,7 +66,7 @@ class LlamaModel:
     """Weights are the loader's tensors (HF names), used in place: nothing is copied."""
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor],
-                 max_positions: int) -> None:
+                 max_positions: int, fuse: bool | None = None) -> None:
         self.config = config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -75,6 +79,12 @@ class LlamaModel:
         self.device = self.embed.device
         self.dtype = self.embed.dtype
         self.layers = [self._layer(weights, i) for i in range(config.num_hidden_layers)]
+        # CUDA: one GEMM for q/k/v and one for gate/up (fewer, larger kernels per decode step).
+        # CPU keeps transformers' op-for-op numerics.
+        self.fused = self.device.type == "cuda" if fuse is None else fuse
+        if self.fused:
+            for i, layer in enumerate(self.layers):
+                self._fuse(weights, i, layer)
         rotary = LlamaRotaryEmbedding(config).to(self.device)
         positions = torch.arange(max_positions, device=self.device)[None, :]
         cos, sin = rotary(self.embed[:1], positions)
@@ -95,6 +105,28 @@ class LlamaModel:
             down=w[p + "mlp.down_proj.weight"],
         )
 
+    @staticmethod
+    def _fuse(w: dict[str, torch.Tensor], i: int, layer: _Layer) -> None:
+        """Concatenate q/k/v (and biases) and gate/up, then point the layer *and* the weights
+        dict at row views of the fused tensors, so the originals are freed (no extra memory)
+        and anything built later from the dict (e.g. ``build_hf_model``) shares them."""
+        p = f"model.layers.{i}."
+        nq, nk = layer.q.shape[0], layer.k.shape[0]
+        layer.qkv = torch.cat([layer.q, layer.k, layer.v])
+        layer.q, layer.k, layer.v = layer.qkv[:nq], layer.qkv[nq:nq + nk], layer.qkv[nq + nk:]
+        for name, view in (("q", layer.q), ("k", layer.k), ("v", layer.v)):
+            w[f"{p}self_attn.{name}_proj.weight"] = view
+        if layer.q_bias is not None:
+            layer.qkv_bias = torch.cat([layer.q_bias, layer.k_bias, layer.v_bias])
+            b = layer.qkv_bias
+            layer.q_bias, layer.k_bias, layer.v_bias = b[:nq], b[nq:nq + nk], b[nq + nk:]
+            for name, view in (("q", layer.q_bias), ("k", layer.k_bias), ("v", layer.v_bias)):
+                w[f"{p}self_attn.{name}_proj.bias"] = view
+        ni = layer.gate.shape[0]
+        layer.gate_up = torch.cat([layer.gate, layer.up])
+        layer.gate, layer.up = layer.gate_up[:ni], layer.gate_up[ni:]
+        w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = layer.gate, layer.up
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -105,35 +137,47 @@ class LlamaModel:
         """Hidden states ``[num_tokens, hidden]`` after the final norm; writes this step's K/V
         into ``kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``."""
         n = input_ids.shape[0]
+        fused = self.fused and meta.max_query_len == 1  # measured: helps decode, not prefill
         h = F.embedding(input_ids, self.embed)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         for index, layer in enumerate(self.layers):
             x = _rms_norm(h, layer.input_norm, self.eps)
-            q = F.linear(x, layer.q, layer.q_bias).view(n, self.num_heads, self.head_dim)
-            k = F.linear(x, layer.k, layer.k_bias).view(n, self.num_kv_heads, self.head_dim)
-            v = F.linear(x, layer.v, layer.v_bias).view(n, self.num_kv_heads, self.head_dim)
+            q, k, v = self._qkv(layer, x, fused)
+            q = q.view(n, self.num_heads, self.head_dim)
+            k = k.view(n, self.num_kv_heads, self.head_dim)
+            v = v.view(n, self.num_kv_heads, self.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             key_cache, value_cache = kv_cache[0, index], kv_cache[1, index]
             kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-            if meta.attn_out is None:
-                o = kernels.paged_attention(
-                    q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                    meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
-                )
-            else:
-                from kernels import triton_attention
-
-                o = triton_attention.paged_attention(
-                    q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                    meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
-                    out=meta.attn_out,
-                )
+            o = kernels.paged_attention(
+                q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
+                out=meta.attn_out,
+            )
             h = h + F.linear(o.reshape(n, -1), layer.o)
             x = _rms_norm(h, layer.post_norm, self.eps)
-            h = h + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
+            h = h + F.linear(self._gated(layer, x, fused), layer.down)
         return _rms_norm(h, self.final_norm, self.eps)
+
+    @staticmethod
+    def _qkv(layer: _Layer, x: torch.Tensor,
+             fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if fused and layer.qkv is not None:
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            return qkv.split([layer.q.shape[0], layer.k.shape[0], layer.v.shape[0]], dim=-1)
+        return (F.linear(x, layer.q, layer.q_bias), F.linear(x, layer.k, layer.k_bias),
+                F.linear(x, layer.v, layer.v_bias))
+
+    @staticmethod
+    def _gated(layer: _Layer, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        """``silu(gate(x)) * up(x)``."""
+        if fused and layer.gate_up is not None:
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(x, layer.gate), F.linear(x, layer.up)
+        return F.silu(gate) * up
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()

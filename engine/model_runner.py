@@ -153,15 +153,15 @@ class ModelRunner:
         if int(num_new.max()) == 1 and int(num_new.min()) == 1:
             positions = starts
             rows = np.arange(n)
-            input_ids = np.fromiter((s.token_ids[p] for s, p in zip(seqs, starts.tolist())),
-                                    dtype=np.int64, count=n)
+            pairs = zip(seqs, starts.tolist(), strict=True)
+            input_ids = np.fromiter((s.token_ids[p] for s, p in pairs), dtype=np.int64, count=n)
         else:
             total = int(query_start[-1])
             rows = np.repeat(np.arange(n), num_new)
             positions = np.arange(total, dtype=np.int64) - np.repeat(query_start[:-1] - starts,
                                                                     num_new)
             ids: list[int] = []
-            for seq, start, end in zip(seqs, starts.tolist(), ends.tolist()):
+            for seq, start, end in zip(seqs, starts.tolist(), ends.tolist(), strict=True):
                 ids.extend(seq.token_ids[start:end])
             input_ids = np.asarray(ids, dtype=np.int64)
         slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs

@@ -31,16 +31,18 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache."""
+    """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache, written
+    into ``out`` when given (a static buffer, for CUDA graphs) and returned."""
     if query.is_cuda:
         from kernels import triton_attention
 
         return triton_attention.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            scale, max_query_len, max_seq_len,
+            scale, max_query_len, max_seq_len, out=out,
         )
     return reference.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, max_query_len, max_seq_len,
+        scale, max_query_len, max_seq_len, out=out,
     )

@@ -41,8 +41,9 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
     decode_rows = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]

@@ -38,7 +38,7 @@ def test_host_metadata_mixed_batch_matches_definition():
     assert host["positions"].tolist() == positions
     assert host["input_ids"].tolist() == [109] + list(range(200, 206)) + list(range(305, 312))
     rows = [0] + [1] * 6 + [2] * 7
-    slots = [seqs[r].block_table[p // 4] * 4 + p % 4 for r, p in zip(rows, positions)]
+    slots = [seqs[r].block_table[p // 4] * 4 + p % 4 for r, p in zip(rows, positions, strict=True)]
     assert host["slot_mapping"].tolist() == slots
     assert host["seq_lens"].tolist() == [10, 6, 12]
     assert host["query_start_loc"].tolist() == [0, 1, 7, 14]
@@ -56,3 +56,43 @@ def test_host_metadata_pure_decode():
     assert host["positions"].tolist() == [39, 1]
     assert host["slot_mapping"].tolist() == [11 * 16 + 7, 2 * 16 + 1]
     assert host["max_query_len"] == 1
+
+
+def test_fused_forward_matches_unfused_and_shares_weights():
+    import torch
+
+    from engine.loader import load_model
+    from engine.model import AttentionMetadata, LlamaModel
+
+    loaded = load_model("dummy:qwen2.5-0.5b", torch.device("cpu"), torch.float32, seed=3,
+                        use_cache=False)
+    plain = LlamaModel(loaded.config, dict(loaded.state_dict), 64, fuse=False)
+    weights = dict(loaded.state_dict)
+    fused = LlamaModel(loaded.config, weights, 64, fuse=True)
+    assert fused.layers[0].q.data_ptr() == fused.layers[0].qkv.data_ptr()
+    assert weights["model.layers.0.mlp.up_proj.weight"].data_ptr() != \
+        loaded.state_dict["model.layers.0.mlp.up_proj.weight"].data_ptr()
+    torch.testing.assert_close(weights["model.layers.1.self_attn.v_proj.weight"],
+                               loaded.state_dict["model.layers.1.self_attn.v_proj.weight"])
+    n, bs = 11, 16
+    shape = (2, len(plain.layers), 2, bs, plain.num_kv_heads, plain.head_dim)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), block_tables=torch.tensor([[0]], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32), max_query_len=n, max_seq_len=n)
+    ids = torch.randint(0, 1000, (n,))
+    cache_a, cache_b = torch.zeros(shape), torch.zeros(shape)
+    a = plain.forward(ids, torch.arange(n), meta, cache_a)
+    b = fused.forward(ids, torch.arange(n), meta, cache_b)
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache_b, cache_a, rtol=1e-4, atol=1e-4)
+    # one decode row (the fused path): position n over the n cached tokens
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([n]), block_tables=torch.tensor([[0]], dtype=torch.int32),
+        seq_lens=torch.tensor([n + 1], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32), max_query_len=1,
+        max_seq_len=n + 1)
+    a = plain.forward(ids[:1], torch.tensor([n]), meta, cache_a)
+    b = fused.forward(ids[:1], torch.tensor([n]), meta, cache_b)
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache_b, cache_a, rtol=1e-4, atol=1e-4)

@@ -1,17 +1,9 @@
-"""Kernel tests run the Triton kernels on CPU through the interpreter.
+"""Batches for the kernel tests (``tests/conftest.py`` turns on Triton's CPU interpreter)."""
 
-``TRITON_INTERPRET`` must be set before Triton compiles anything, so it is set here, at import
-time, before any test module of this folder imports ``kernels.triton_*``.
-"""
+from dataclasses import dataclass
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from dataclasses import dataclass  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 @dataclass
