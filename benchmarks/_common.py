@@ -8,14 +8,11 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 DEFAULT_OUT = ROOT / "docs" / "bench"
 

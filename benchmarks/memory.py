@@ -39,12 +39,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# run as a script, sys.path[0] is benchmarks/, whose kernels.py would shadow the kernels package
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "benchmarks"]
+sys.path.insert(0, str(_ROOT))
 
-from _common import (  # noqa: E402
-    DEFAULT_OUT, Tee, machine_info, mean, plt, ratio, sharegpt_lengths, table,
+from benchmarks._common import (  # noqa: E402
+    DEFAULT_OUT,
+    Tee,
+    machine_info,
+    mean,
+    plt,
+    ratio,
+    sharegpt_lengths,
+    table,
 )
-
 from engine.kv_cache_manager import KVCacheManager  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
@@ -124,7 +133,7 @@ def simulate_paged(lengths: list[tuple[int, int]], prompts: list[list[int]], *, 
         batch = scheduler.schedule()
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             kv.commit(seq, n)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for seq in batch.seqs:
             if seq.num_computed_tokens != seq.num_tokens:
                 continue  # a prefill chunk that does not reach the last token samples nothing
             seq.token_ids.append(rng.randrange(VOCAB))
@@ -209,11 +218,11 @@ def simulate_contiguous(lengths: list[tuple[int, int]], *, budget_slots: int, re
 
 def run_engine(lengths: list[tuple[int, int]], prompts: list[list[int]], *, num_blocks: int,
                block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-               max_model_len: int, log: Tee) -> dict:
+               max_model_len: int, log: Tee, model: str = "smollm2") -> dict:
     """Step the real engine by hand and sample its stats after every step."""
     from engine import LLM
 
-    llm = LLM("smollm2", num_kv_blocks=num_blocks, block_size=block_size,
+    llm = LLM(model, num_kv_blocks=num_blocks, block_size=block_size,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               max_model_len=max_model_len, seed=0)
     engine = llm.engine
@@ -251,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--budget-slots", type=int, default=32768,
                     help="KV budget in token slots (default 32768 = 16 × max_model_len)")
-    ap.add_argument("--sweep", default="8192,16384,32768,65536,131072",
+    ap.add_argument("--sweep", default="8192,16384,32768,65536",
                     help="KV budgets (token slots) for the in-flight vs budget sweep")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -260,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-scale", type=float, default=0.25,
                     help="length scale of the engine stream (CPU time)")
     ap.add_argument("--no-engine", action="store_true", help="skip the real-engine check")
+    ap.add_argument("--model", default="smollm2", help="model of the real-engine check")
     ap.add_argument("--quick", action="store_true", help="a tiny run (smoke test)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
@@ -338,13 +348,12 @@ def main(argv: list[str] | None = None) -> int:
         e_common = {"max_num_seqs": 256, "max_num_batched_tokens": 512,
                     "max_model_len": args.max_model_len}
         engine_result = run_engine(e_lengths, e_prompts, num_blocks=args.engine_blocks,
-                                   block_size=bs, log=log, **e_common)
+                                   block_size=bs, log=log, model=args.model, **e_common)
         sim = simulate_paged(e_lengths, e_prompts, num_blocks=args.engine_blocks, block_size=bs,
                              seed=args.seed, check_every=1, **e_common)
         samples = engine_result["samples"]
         e_waste = [s["kv_waste"] for s in samples]
         e_usage = [s["kv_usage"] for s in samples]
-        s_waste = sim.waste()
         same = (len(samples) == len(sim.steps)
                 and all(s["running"] == r and s["blocks_used"] * bs == res
                         and s["tokens_stored"] == st

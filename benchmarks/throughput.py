@@ -31,13 +31,23 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import (  # noqa: E402
-    DEFAULT_OUT, Tee, machine_info, mean, plt, ratio, table, uniformish_lengths,
-)
+# run as a script, sys.path[0] is benchmarks/, whose kernels.py would shadow the kernels package
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "benchmarks"]
+sys.path.insert(0, str(_ROOT))
 
 import torch  # noqa: E402
+
+from benchmarks._common import (  # noqa: E402
+    DEFAULT_OUT,
+    Tee,
+    machine_info,
+    mean,
+    plt,
+    ratio,
+    table,
+    uniformish_lengths,
+)
 
 
 def make_requests(n: int, seed: int, prompt_range: tuple[int, int],
@@ -71,9 +81,9 @@ def run_engine(llm, requests: list[tuple[list[int], int]], log: Tee) -> dict:
         now = time.perf_counter()
         if now - last > 10:
             s = llm.stats()
+            decoded = s.num_decode_tokens_computed - before.num_decode_tokens_computed
             log(f"  engine: step {steps}, {len(done)}/{len(ids)} done, running "
-                f"{s.num_requests_running}, {s.num_decode_tokens_computed - before.num_decode_tokens_computed} "
-                f"decode tokens, {now - w0:.0f} s")
+                f"{s.num_requests_running}, {decoded} decode tokens, {now - w0:.0f} s")
             last = now
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     useful = sum(done[r] for r in ids)

