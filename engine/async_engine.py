@@ -9,6 +9,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -21,6 +22,8 @@ from engine.stats import EngineStats
 logger = logging.getLogger("engine.async")
 T = TypeVar("T")
 
+STATS_INTERVAL_S = 0.05  # while busy, the stats snapshot (O(blocks in use)) is this fresh
+
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -32,6 +35,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats = self.engine.stats()
+        self._stats_at = time.monotonic()
 
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
@@ -60,7 +64,8 @@ class AsyncEngine:
         return self.engine.render_chat(messages, session_id)
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the step thread's latest step or command."""
+        """A snapshot from the step thread: taken whenever it goes idle and at least every
+        ``STATS_INTERVAL_S`` while it steps."""
         return self._stats
 
     async def generate(
@@ -159,11 +164,16 @@ class AsyncEngine:
                     outputs = []
                 for output in outputs:
                     self._deliver(output.request_id, output)
-                self._stats = self.engine.stats()
+                if time.monotonic() - self._stats_at >= STATS_INTERVAL_S:
+                    self._snapshot()
             else:
-                self._stats = self.engine.stats()
+                self._snapshot()
                 self._wake.wait()
                 self._wake.clear()
+
+    def _snapshot(self) -> None:
+        self._stats = self.engine.stats()
+        self._stats_at = time.monotonic()
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):

@@ -66,7 +66,8 @@ async def _cancel_midstream(engine: AsyncEngine, tokenizer) -> None:
 
     task = asyncio.create_task(consume())
     await started.wait()
-    assert engine.stats().num_blocks_used > 0
+    while engine.stats().num_blocks_used == 0:  # the snapshot may predate the admission
+        await asyncio.sleep(0.005)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
