@@ -31,7 +31,7 @@ Method:
   the requested lengths, not padding) are extrapolated to the whole set.
 - Decode step at batch 256: the engine's captured graph for 256 rows replayed over a context of
   ``--decode-ctx`` tokens per row; roofline = (weights read + KV read) / copy bandwidth, with
-  the copy bandwidth measured in the same run as in ``benchmarks/kernels.py`` (a 4 GiB
+  the copy bandwidth measured in the same run as in ``benchmarks/attention_kernels.py`` (a 4 GiB
   device-to-device copy, bytes read + written per second). The full engine step (host work
   included) at 256 running rows is taken from the throughput run's pure-decode steps.
 """

@@ -27,10 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-# run as a script, sys.path[0] is benchmarks/, whose kernels.py would shadow the kernels package
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "benchmarks"]
-sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from benchmarks._common import (  # noqa: E402
     DEFAULT_OUT,

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 # Launch configurations (block sizes, warps, stages), keyed by "16-bit" / "32-bit" inputs.
-# benchmarks/kernels.py sweeps alternatives on the GPU; correctness does not depend on them.
+# benchmarks/attention_kernels.py sweeps alternatives on the GPU; correctness does not
+# depend on them.
 DECODE_CONFIG: dict[str, dict[str, int]] = {
     "16": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
     "32": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},

@@ -15,7 +15,7 @@ Times are medians of CUDA-graph replays (``triton.testing.do_bench_cudagraph``; 
 ``do_bench`` where capture fails). Writes ``kernels.json`` and ``kernels_decode.png`` to
 ``$OUT`` (default ``./out``).
 
-    PYTHONUNBUFFERED=1 python benchmarks/kernels.py
+    PYTHONUNBUFFERED=1 python benchmarks/attention_kernels.py
 """
 
 import json
