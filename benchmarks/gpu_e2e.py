@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engine.llm_engine as llm_engine_module  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.loader import build_hf_model, dummy_config, load_model  # noqa: E402
+from engine.model import AttentionMetadata  # noqa: E402
 
 T0 = time.perf_counter()
 EMBED_SCALE = 16.0
@@ -302,6 +303,64 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
             "step_s": measured, "roofline_s": roofline, "fraction": roofline / measured}
 
 
+def profile_steps(llm: LLM, batch: int, ctx: int, copy_bw: float, prefill_tokens: int,
+                  device: torch.device) -> dict:
+    """Where a step's time goes: the batch-``batch`` decode forward run eagerly (graph replay
+    vs eager time, and the top CUDA kernels under torch.profiler), and one eager prefill
+    forward of ``prefill_tokens`` tokens (16 sequences) with its achieved TFLOP/s."""
+    runner = llm.engine.runner
+    model = runner.model
+    decode_step_roofline(llm, batch, ctx, copy_bw, device)  # fills the static buffers
+
+    def timed(fn, reps: int = 10) -> float:
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        return float(np.median(times))
+
+    with torch.inference_mode():
+        eager_s = timed(lambda: runner._decode_forward(batch))
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                runner._decode_forward(batch)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                          max_name_column_width=60)
+        # prefill: 16 sequences of prefill_tokens / 16 tokens in fresh blocks
+        seqs, bs = 16, runner.block_size
+        per = prefill_tokens // seqs
+        nblk = -(-per // bs)
+        tables = torch.arange(seqs * nblk, device=device, dtype=torch.int32).view(seqs, nblk) + 1
+        positions = torch.arange(per, device=device).repeat(seqs)
+        slots = (tables.long()[:, torch.arange(per, device=device) // bs] * bs
+                 + torch.arange(per, device=device) % bs).flatten()
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=tables,
+            seq_lens=torch.full((seqs,), per, device=device, dtype=torch.int32),
+            query_start_loc=torch.arange(0, seqs * per + 1, per, device=device,
+                                         dtype=torch.int32),
+            max_query_len=per, max_seq_len=per)
+        ids = torch.randint(0, model.embed.shape[0], (seqs * per,), device=device)
+        prefill_s = timed(lambda: model.forward(ids, positions, meta, runner.kv_cache), reps=5)
+    params = sum(t.numel() for layer in model.layers for t in
+                 (layer.qkv if layer.qkv is not None else layer.q, layer.o,
+                  layer.gate_up if layer.gate_up is not None else layer.gate, layer.down))
+    if model.layers[0].qkv is None or model.layers[0].gate_up is None:
+        params += sum(t.numel() for layer in model.layers for t in (layer.k, layer.v, layer.up))
+    attn_flops = 4 * len(model.layers) * model.num_heads * model.head_dim * seqs * per * per / 2
+    flops = 2 * params * seqs * per + attn_flops
+    return {"ctx": ctx, "graph_s": decode_step_roofline(llm, batch, ctx, copy_bw,
+                                                        device).get("step_s"),
+            "eager_s": eager_s, "kernel_table": table, "prefill_tokens": seqs * per,
+            "prefill_s": prefill_s, "prefill_tflops": flops / prefill_s / 1e12}
+
+
 # -- transformers baseline -------------------------------------------------------------------
 
 
@@ -478,6 +537,15 @@ def main() -> None:
             r = decode_step_roofline(llm, args.decode_batch, ctx, copy_bw, device)
             result["decode_step"].append(r)
             log(f"decode step batch {args.decode_batch} ctx {ctx}: {r}")
+        if args.decode_batch in llm.engine.runner.graphs:
+            prof = profile_steps(llm, args.decode_batch, args.decode_ctx[0], copy_bw,
+                                 args.max_num_batched_tokens, device)
+            log(f"decode batch {args.decode_batch} ctx {prof['ctx']}: graph "
+                f"{prof['graph_s'] * 1e3:.2f} ms, eager {prof['eager_s'] * 1e3:.2f} ms; "
+                f"kernels (eager, 3 steps):\n{prof['kernel_table']}")
+            log(f"prefill forward {prof['prefill_tokens']} tokens: {prof['prefill_s'] * 1e3:.1f} "
+                f"ms = {prof['prefill_tflops']:.0f} TFLOP/s")
+            result["profile"] = {k: v for k, v in prof.items() if k != "kernel_table"}
 
     del llm, runner
     llm_engine_module.load_model = load_model
@@ -539,6 +607,12 @@ def main() -> None:
     print(f"engine time in CUDA-graph decode steps {et['graph_steps_seconds']:.1f}s "
           f"({et['graph_steps']} steps), in eager (prefill/mixed) steps "
           f"{et['eager_steps_seconds']:.1f}s ({et['eager_steps']} steps)")
+    if "profile" in result:
+        pr = result["profile"]
+        print(f"decode batch {args.decode_batch} ctx {pr['ctx']}: graph {pr['graph_s'] * 1e3:.2f}"
+              f" ms vs eager {pr['eager_s'] * 1e3:.2f} ms; prefill forward of "
+              f"{pr['prefill_tokens']} tokens {pr['prefill_s'] * 1e3:.1f} ms = "
+              f"{pr['prefill_tflops']:.0f} TFLOP/s")
     if et["full_decode_step_median_s"]:
         print(f"engine step with {args.max_num_seqs} running decode rows (host included): "
               f"median {et['full_decode_step_median_s'] * 1e3:.2f} ms over "

@@ -4,6 +4,10 @@ Large shapes, fresh random inputs for every case, outputs poisoned with NaN befo
 every configuration the kernels support (dtypes, head dims, block sizes, GQA ratios), the
 direct and split-K decode paths, mixed decode + prefill + extend batches, reshape_and_cache
 with padding slots, a CUDA-graph capture of the decode path, and the ``kernels`` dispatcher.
+The fused elementwise kernels (``kernels/triton_fused.py``) are checked against transformers'
+op-by-op torch code on the same GPU: the fraction of output elements that are not bit-identical
+(rotary and the residual add must be exact; the norm's mean and SiLU's exp may move a rare bf16
+value by a step) and the relative error.
 Prints a pass/fail table; exits 1 if any case fails.
 
     PYTHONUNBUFFERED=1 python benchmarks/gpu_kernels_check.py
@@ -19,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
-from kernels import reference, triton_attention, triton_cache  # noqa: E402
+from kernels import reference, triton_attention, triton_cache, triton_fused  # noqa: E402
 
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -141,6 +145,83 @@ def dispatch_case() -> float:
     return rel_err(out, batch.reference())
 
 
+def mismatch(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Fraction of elements that are not bit-identical (NaN counts as a mismatch)."""
+    return (got != want).float().mean().item()
+
+
+def fused_cases(dtype: torch.dtype) -> dict[str, Callable[[], float]]:
+    """Llama-3.1-8B shapes, 4096 tokens. Each case returns the mismatch fraction, except the
+    norm and SiLU in fp32, which return the relative error (a last-bit difference of a row's
+    norm moves every element of the row)."""
+    n, hidden, inter, heads, kv_heads, hd = 4096, 4096, 14336, 32, 8, 128
+    dev = "cuda"
+
+    def inexact(got: torch.Tensor, want: torch.Tensor) -> float:
+        return rel_err(got, want.double()) if dtype == torch.float32 else mismatch(got, want)
+
+    def norm_inputs() -> tuple[torch.Tensor, ...]:
+        x = (torch.randn(n, hidden, device=dev) * 4).to(dtype)
+        residual = (torch.randn(n, hidden, device=dev) * 4).to(dtype)
+        weight = (1 + torch.randn(hidden, device=dev) / 4).to(dtype)
+        return x, residual, weight
+
+    def rms_norm() -> float:
+        x, _, w = norm_inputs()
+        return inexact(triton_fused.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5))
+
+    def add_rms_norm(part: str) -> float:
+        x, residual, w = norm_inputs()
+        want_residual = residual.clone()
+        want = reference.add_rms_norm(x, want_residual, w, 1e-5)
+        got = triton_fused.add_rms_norm(x, residual, w, 1e-5)
+        return mismatch(residual, want_residual) if part == "residual" else inexact(got, want)
+
+    def silu_and_mul() -> float:
+        gate_up = (torch.randn(n, 2 * inter, device=dev) * 4).to(dtype)
+        return inexact(triton_fused.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+
+    def rotary(part: str) -> float:
+        qkv = torch.randn(n, (heads + 2 * kv_heads) * hd, device=dev).to(dtype)
+        q, k, v = (t.view(n, -1, hd) for t in qkv.split(
+            [heads * hd, kv_heads * hd, kv_heads * hd], dim=-1))
+        inv_freq = 1.0 / (500000 ** (torch.arange(0, hd, 2, device=dev).float() / hd))
+        freqs = torch.outer(torch.arange(8192, device=dev).float(), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        positions = torch.randint(0, 8192, (n,), device=dev)
+        num_blocks, block_size = 400, 16
+        slots = torch.randperm(num_blocks * block_size, device=dev)[:n]
+        slots[torch.rand(n, device=dev) < 0.2] = -1
+        shape = (num_blocks, block_size, kv_heads, hd)
+        caches = [torch.full(shape, float("nan"), device=dev, dtype=dtype) for _ in range(4)]
+        want_q = q.clone()
+        reference.rotary_and_cache(want_q, k, v, cos, sin, positions, caches[0], caches[1],
+                                   slots)
+        triton_fused.rotary_and_cache(q, k, v, cos, sin, positions, caches[2], caches[3],
+                                      slots)
+        if part == "query":
+            return mismatch(q, want_q)
+        return max(mismatch(caches[2].nan_to_num(), caches[0].nan_to_num()),
+                   mismatch(caches[3].nan_to_num(), caches[1].nan_to_num()))
+
+    return {
+        "rms_norm": rms_norm,
+        "add_rms_norm out": lambda: add_rms_norm("out"),
+        "add_rms_norm residual": lambda: add_rms_norm("residual"),
+        "silu_and_mul": silu_and_mul,
+        "rotary query": lambda: rotary("query"),
+        "rotary+cache k/v": lambda: rotary("cache"),
+    }
+
+
+# bounds of the fused kernels: exact where only products and sums round; otherwise a bf16
+# mismatch fraction, or an fp32 relative error
+FUSED_BOUND = {"rms_norm": 0.01, "add_rms_norm out": 0.01, "add_rms_norm residual": 0.0,
+               "silu_and_mul": 0.01, "rotary query": 0.0, "rotary+cache k/v": 0.0}
+FUSED_FP32_BOUND = 1e-6
+
+
 def main() -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     torch.manual_seed(0)
@@ -184,6 +265,11 @@ def main() -> int:
         record(config, "reshape_and_cache", lambda g=geo: cache_case(*g[:4]), 0.0)
     record("bf16 d128 bs16 kv8 g4", "cuda graph replay", graph_case, BOUND[torch.bfloat16])
     record("bf16 d64 bs16 kv2 g4", "kernels dispatch", dispatch_case, BOUND[torch.bfloat16])
+    for dtype in (torch.bfloat16, torch.float32):
+        for case, fn in fused_cases(dtype).items():
+            exact = FUSED_BOUND[case] == 0.0
+            bound = FUSED_FP32_BOUND if dtype == torch.float32 and not exact else FUSED_BOUND[case]
+            record(f"fused {NAMES[dtype]}", case, fn, bound)
 
     failed = [r for r in rows if not r[2] <= r[3]]
     print(f"\n{'config':28s} {'case':22s} {'rel err':>9s} {'bound':>7s}  result")

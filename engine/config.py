@@ -26,6 +26,11 @@ class EngineConfig:
     seed: int = 0
     use_weight_cache: bool = True
     enforce_eager: bool = False
+    # While sequences run, waiting ones are admitted only once this many slots are free (or
+    # every waiting one fits), so new prefills arrive in groups: fewer steps mix prefill with
+    # decode, and only pure-decode steps replay CUDA graphs. None: max_num_seqs // 16 when
+    # CUDA graphs are on, else 1 (admit as soon as a slot frees).
+    admission_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
@@ -40,6 +45,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
+        if self.admission_batch is not None and self.admission_batch < 1:
+            raise ValueError(f"admission_batch must be at least 1, got {self.admission_batch}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if not 0.0 <= self.pin_budget_fraction <= 1.0:

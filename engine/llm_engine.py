@@ -69,7 +69,10 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
             int(config.pin_budget_fraction * self.runner.num_blocks),
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        admission_batch = config.admission_batch or (
+            max(1, config.max_num_seqs // 16) if self.runner.graph_sizes else 1)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   admission_batch)
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, _Request] = {}
         self.num_prefill_tokens = 0

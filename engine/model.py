@@ -2,7 +2,9 @@
 around the paged-attention kernels, computing over a flattened varlen batch.
 
 It mirrors transformers' Llama numerics op for op (separate projections, fp32 RMSNorm, the same
-rotary tables) so greedy tokens match transformers' token for token.
+rotary tables) so greedy tokens match transformers' token for token. The elementwise steps go
+through ``kernels`` (fused Triton launches on CUDA that round where transformers rounds; the
+op-by-op torch code on CPU).
 """
 
 from dataclasses import dataclass
@@ -50,18 +52,6 @@ class _Layer:
     gate_up: torch.Tensor | None = None
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class LlamaModel:
     """Weights are the loader's tensors (HF names), used in place: nothing is copied."""
 
@@ -79,7 +69,7 @@ class LlamaModel:
         self.device = self.embed.device
         self.dtype = self.embed.dtype
         self.layers = [self._layer(weights, i) for i in range(config.num_hidden_layers)]
-        # CUDA: one GEMM for q/k/v and one for gate/up (fewer, larger kernels per decode step).
+        # CUDA: one GEMM for q/k/v and one for gate/up (fewer, larger kernels per step).
         # CPU keeps transformers' op-for-op numerics.
         self.fused = self.device.type == "cuda" if fuse is None else fuse
         if self.fused:
@@ -137,47 +127,42 @@ class LlamaModel:
         """Hidden states ``[num_tokens, hidden]`` after the final norm; writes this step's K/V
         into ``kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``."""
         n = input_ids.shape[0]
-        fused = self.fused and meta.max_query_len == 1  # measured: helps decode, not prefill
-        h = F.embedding(input_ids, self.embed)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        for index, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer.input_norm, self.eps)
-            q, k, v = self._qkv(layer, x, fused)
+        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        x = kernels.rms_norm(h, self.layers[0].input_norm, self.eps)
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
+            q, k, v = self._qkv(layer, x)
             q = q.view(n, self.num_heads, self.head_dim)
             k = k.view(n, self.num_kv_heads, self.head_dim)
             v = v.view(n, self.num_kv_heads, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
             key_cache, value_cache = kv_cache[0, index], kv_cache[1, index]
-            kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+            kernels.rotary_and_cache(q, k, v, self.cos, self.sin, positions,
+                                     key_cache, value_cache, meta.slot_mapping)
             o = kernels.paged_attention(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
                 out=meta.attn_out,
             )
-            h = h + F.linear(o.reshape(n, -1), layer.o)
-            x = _rms_norm(h, layer.post_norm, self.eps)
-            h = h + F.linear(self._gated(layer, x, fused), layer.down)
-        return _rms_norm(h, self.final_norm, self.eps)
+            x = kernels.add_rms_norm(F.linear(o.reshape(n, -1), layer.o), h, layer.post_norm,
+                                     self.eps)
+            x = kernels.add_rms_norm(F.linear(self._gated(layer, x), layer.down), h, next_norm,
+                                     self.eps)
+        return x
 
     @staticmethod
-    def _qkv(layer: _Layer, x: torch.Tensor,
-             fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if fused and layer.qkv is not None:
+    def _qkv(layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if layer.qkv is not None:
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             return qkv.split([layer.q.shape[0], layer.k.shape[0], layer.v.shape[0]], dim=-1)
         return (F.linear(x, layer.q, layer.q_bias), F.linear(x, layer.k, layer.k_bias),
                 F.linear(x, layer.v, layer.v_bias))
 
     @staticmethod
-    def _gated(layer: _Layer, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    def _gated(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate(x)) * up(x)``."""
-        if fused and layer.gate_up is not None:
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        else:
-            gate, up = F.linear(x, layer.gate), F.linear(x, layer.up)
-        return F.silu(gate) * up
+        if layer.gate_up is not None:
+            return kernels.silu_and_mul(F.linear(x, layer.gate_up))
+        return F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()

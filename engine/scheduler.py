@@ -1,5 +1,6 @@
 """Continuous batching: each step, running sequences first, then waiting ones, under a token
-budget (chunked prefill) and a sequence cap.
+budget (chunked prefill) and a sequence cap. While sequences run, waiting ones are admitted
+once ``admission_batch`` slots are free or all of them fit, so prefills come in groups.
 
 When blocks run out, the least recently used pinned session is released first; only then is
 the lowest-priority running sequence preempted (its blocks freed, to be recomputed later from
@@ -27,10 +28,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 admission_batch: int = 1) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.admission_batch = admission_batch
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -63,8 +66,10 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+        free_slots = self.max_num_seqs - len(self.running)
+        if self.running and free_slots < min(self.admission_batch, len(self.waiting)):
+            free_slots = 0
+        while not preempted and self.waiting and budget > 0 and free_slots > 0:
             seq = self.waiting[0]
             num_new = self.kv.admit(seq, budget)
             while num_new == 0:
@@ -75,6 +80,7 @@ class Scheduler:
             if num_new == 0:
                 break
             self.waiting.popleft()
+            free_slots -= 1
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -10,8 +10,26 @@ Layout shared by every implementation:
 - ``query_start_loc``: int32 ``[num_seqs + 1]``, cumulative query lengths over the flattened
   batch. Query ``j`` of sequence ``i`` sits at position ``seq_lens[i] - q_len_i + j`` and attends
   to keys ``0..position`` (causal over the new tokens, full over the cached prefix).
+
+Beside attention, the decoder's elementwise steps (RMSNorm with the residual add, rotary with
+the cache write, SiLU·mul) share the same dispatch: one fused Triton launch each on CUDA, the
+op-by-op torch code of transformers' Llama on CPU.
 """
 
-from kernels.dispatch import paged_attention, reshape_and_cache
+from kernels.dispatch import (
+    add_rms_norm,
+    paged_attention,
+    reshape_and_cache,
+    rms_norm,
+    rotary_and_cache,
+    silu_and_mul,
+)
 
-__all__ = ["paged_attention", "reshape_and_cache"]
+__all__ = [
+    "add_rms_norm",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_and_cache",
+    "silu_and_mul",
+]

@@ -46,3 +46,53 @@ def paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         scale, max_query_len, max_seq_len, out=out,
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm`` of ``x [num_tokens, hidden]``."""
+    if x.is_cuda:
+        from kernels import triton_fused
+
+        return triton_fused.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """``residual += x`` in place, then ``rms_norm(residual)``: the decoder's residual step."""
+    if x.is_cuda:
+        from kernels import triton_fused
+
+        return triton_fused.add_rms_norm(x, residual, weight, eps)
+    return reference.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [num_tokens, 2 * width]`` (gate first)."""
+    if gate_up.is_cuda:
+        from kernels import triton_fused
+
+        return triton_fused.silu_and_mul(gate_up)
+    return reference.silu_and_mul(gate_up)
+
+
+def rotary_and_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotate ``query`` in place by the rotary tables ``cos``/``sin [max_positions, head_dim]``
+    at ``positions``, and write the rotated ``key`` and ``value`` into their cache slots."""
+    args = (query, key, value, cos, sin, positions, key_cache, value_cache, slot_mapping)
+    if query.is_cuda:
+        from kernels import triton_fused
+
+        triton_fused.rotary_and_cache(*args)
+    else:
+        reference.rotary_and_cache(*args)

@@ -109,3 +109,44 @@ def _decode(
         attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
     )
     out.index_copy_(0, token_index, o.squeeze(2))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm``: normalise in fp32, round, then scale by ``weight``."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_and_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    cos = cos[positions].unsqueeze(1)
+    sin = sin[positions].unsqueeze(1)
+    query.copy_(query * cos + _rotate_half(query) * sin)
+    key = key * cos + _rotate_half(key) * sin
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)

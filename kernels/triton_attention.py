@@ -247,13 +247,16 @@ def _sm_count(device: torch.device) -> int:
 def num_decode_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
 ) -> int:
-    """Split count for decode: about PROGRAMS_PER_SM programs per multiprocessor (rounded to
-    the nearest count, so a batch that nearly fills the GPU is not split), each split reading
-    at least MIN_SPLIT_TOKENS tokens, at most MAX_SPLITS.
+    """Split count for decode: none once the (sequence, KV head) programs alone cover every
+    multiprocessor (the reduce launch then costs more than it saves); otherwise about
+    PROGRAMS_PER_SM programs per multiprocessor (rounded to the nearest count), each split
+    reading at least MIN_SPLIT_TOKENS tokens, at most MAX_SPLITS.
 
     Depends only on host ints, so a CUDA graph captured with a given ``max_seq_len`` stays
     valid (and correct) for any ``seq_lens`` it is replayed with.
     """
+    if num_seqs * num_kv_heads >= _sm_count(device):
+        return 1
     want = round(PROGRAMS_PER_SM * _sm_count(device) / (num_seqs * num_kv_heads))
     cap = -(-max_seq_len // MIN_SPLIT_TOKENS)
     return max(1, min(want, cap, MAX_SPLITS))

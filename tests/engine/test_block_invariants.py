@@ -23,10 +23,12 @@ STEM = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 class BlockMachine(RuleBasedStateMachine):
-    @initialize(budget_tokens=st.sampled_from([4, 7, 64]), pin_budget=st.sampled_from([6, 24]))
-    def setup(self, budget_tokens: int, pin_budget: int) -> None:
+    @initialize(budget_tokens=st.sampled_from([4, 7, 64]), pin_budget=st.sampled_from([6, 24]),
+                admission_batch=st.sampled_from([1, 3]))
+    def setup(self, budget_tokens: int, pin_budget: int, admission_batch: int) -> None:
         self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, True, pin_budget)
-        self.scheduler = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=budget_tokens)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=budget_tokens,
+                                   admission_batch=admission_batch)
         self.live: list[Sequence] = []
         self.counter = 0
 

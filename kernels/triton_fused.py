@@ -1,0 +1,176 @@
+"""Triton fusions of the decoder's elementwise work: RMSNorm (with the residual add), rotary
+embedding (with the K/V cache write) and SiLU·mul.
+
+Each one rounds to the activation dtype exactly where transformers' Llama rounds (every torch
+op on bf16 computes in fp32 and rounds its result), so it reproduces the op-by-op torch path
+(``kernels/reference.py``) up to the fp32 summation order of the norm's mean of squares.
+One launch replaces 3–12 small kernels; no host synchronisation.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr,
+    stride_x, stride_r, stride_o, hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
+    normed = (x32 * rstd).to(x_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+
+
+def _check_rows(*tensors: torch.Tensor) -> None:
+    if any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError("fused kernels need a contiguous last dimension")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(x)`` over the last dimension of ``x [num_tokens, hidden]``."""
+    _check_rows(x)
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](
+            x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), x.shape[1], eps,
+            HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(x.shape[1]),
+        )
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """``residual += x`` (in place, rounded to its dtype), then ``weight * rmsnorm(residual)``."""
+    _check_rows(x, residual)
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](
+            x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0),
+            x.shape[1], eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(x.shape[1]),
+        )
+    return out
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, width, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+    out = (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` where ``gate_up [num_tokens, 2 * width]`` holds gate then up."""
+    _check_rows(gate_up)
+    num_tokens, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(num_tokens, width)
+    block = min(1024, triton.next_power_of_2(width))
+    if num_tokens:
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=block,
+        )
+    return out
+
+
+@triton.jit
+def _rotate(x_ptr, cos_ptr, sin_ptr, d, HALF: tl.constexpr):
+    """``x * cos + rotate_half(x) * sin`` for one head, each product and the sum rounded."""
+    x1 = tl.load(x_ptr + d).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + d).to(tl.float32)
+    c1 = tl.load(cos_ptr + d).to(tl.float32)
+    c2 = tl.load(cos_ptr + HALF + d).to(tl.float32)
+    s1 = tl.load(sin_ptr + d).to(tl.float32)
+    s2 = tl.load(sin_ptr + HALF + d).to(tl.float32)
+    ty = x_ptr.dtype.element_ty
+    first = (x1 * c1).to(ty).to(tl.float32) + (-x2 * s1).to(ty).to(tl.float32)
+    second = (x2 * c2).to(ty).to(tl.float32) + (x1 * s2).to(ty).to(tl.float32)
+    return first.to(ty), second.to(ty)
+
+
+@triton.jit
+def _rotary_and_cache_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, key_cache_ptr, value_cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
+    stride_cb, stride_ct, stride_ch, block_size, num_heads,
+    HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos = cos_ptr + pos * stride_table
+    sin = sin_ptr + pos * stride_table
+    if head < num_heads:
+        q = q_ptr + token * stride_qt + head * stride_qh
+        first, second = _rotate(q, cos, sin, d, HALF)
+        tl.store(q + d, first)
+        tl.store(q + HALF + d, second)
+    else:
+        kv_head = (head - num_heads).to(tl.int64)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:
+            first, second = _rotate(k_ptr + token * stride_kt + kv_head * stride_kh,
+                                    cos, sin, d, HALF)
+            dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct \
+                + kv_head * stride_ch
+            ty = key_cache_ptr.dtype.element_ty
+            tl.store(key_cache_ptr + dst + d, first.to(ty))
+            tl.store(key_cache_ptr + dst + HALF + d, second.to(ty))
+            v = v_ptr + token * stride_vt + kv_head * stride_vh
+            tl.store(value_cache_ptr + dst + d, tl.load(v + d).to(ty))
+            tl.store(value_cache_ptr + dst + HALF + d, tl.load(v + HALF + d).to(ty))
+
+
+def rotary_and_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotate ``query [num_tokens, num_heads, head_dim]`` in place and write the rotated
+    ``key`` and ``value [num_tokens, num_kv_heads, head_dim]`` into their cache slots.
+
+    ``cos``/``sin`` are ``[max_positions, head_dim]`` tables indexed by ``positions``; a
+    negative slot skips the cache write (padding). ``key`` itself is left unrotated.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    _check_rows(query, key, value, cos, sin, key_cache)
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"rotary_and_cache needs a power-of-two head_dim, got {head_dim}")
+    if key_cache.stride() != value_cache.stride() or cos.stride() != sin.stride():
+        raise ValueError("key/value caches and cos/sin tables must share strides")
+    if num_tokens == 0:
+        return
+    _rotary_and_cache_kernel[(num_tokens, num_heads + num_kv_heads)](
+        query, key, value, cos, sin, positions, slot_mapping, key_cache, value_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), cos.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        key_cache.shape[1], num_heads, HALF=head_dim // 2,
+        enable_fp_fusion=False,  # no FMA: fp32 products round before the add, as in torch
+    )
