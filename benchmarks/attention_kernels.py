@@ -60,7 +60,7 @@ EXTEND_VARIANTS = (
     {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
 )
 SPLIT_PROGRAMS_PER_SM = (4, 8, 16, 32)
-SPLIT_MIN_TOKENS = (128, 256, 512)
+SPLIT_MIN_TOKENS = (64, 128, 256)
 STARTED = time.perf_counter()
 
 
