@@ -26,6 +26,7 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    admission_batch: int | None = Field(default=None, ge=1)
     seed: int = 0
 
     def engine_kwargs(self) -> dict:
