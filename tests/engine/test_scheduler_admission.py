@@ -50,3 +50,12 @@ def test_default_admits_as_soon_as_a_slot_frees() -> None:
     run_step(scheduler)
     scheduler.finish(first[0])
     assert len(run_step(scheduler)) == 1
+
+
+def test_admission_batch_must_be_positive() -> None:
+    import pytest
+
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="admission_batch"):
+        EngineConfig(admission_batch=0)
