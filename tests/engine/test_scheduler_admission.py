@@ -1,6 +1,9 @@
 """Grouped admission: while sequences run, waiting ones join only once ``admission_batch``
 slots are free or all of them fit; with nothing running they join at once."""
 
+import pytest
+
+from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -53,9 +56,5 @@ def test_default_admits_as_soon_as_a_slot_frees() -> None:
 
 
 def test_admission_batch_must_be_positive() -> None:
-    import pytest
-
-    from engine.config import EngineConfig
-
     with pytest.raises(ValueError, match="admission_batch"):
         EngineConfig(admission_batch=0)
