@@ -257,6 +257,30 @@ def runner_max(llm: LLM) -> int:
     return llm.engine.config.max_num_seqs
 
 
+def cuda_median_s(fn, reps: int) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls, each timed with CUDA events."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return float(np.median(times))
+
+
+def layer_weight_bytes(model) -> int:
+    """Bytes of every decoder layer's tensors; fused q/k/v and gate/up are views, so each
+    storage is counted once."""
+    storages = {}
+    for layer in model.layers:
+        for t in vars(layer).values():
+            if isinstance(t, torch.Tensor):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
                          device: torch.device) -> dict:
     """Replay the captured decode graph of ``batch`` rows, each over ``ctx`` cached tokens in
@@ -272,12 +296,7 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
     host = {"input_ids": np.zeros(batch, dtype=np.int64), "positions": positions,
             "slot_mapping": tables[:, -1].astype(np.int64) * bs + (ctx - 1) % bs,
             "block_tables": tables, "seq_lens": np.full(batch, ctx, dtype=np.int32)}
-    storages = {}
-    for layer in model.layers:  # fused q/k/v and gate/up are views: count each storage once
-        for t in vars(layer).values():
-            if isinstance(t, torch.Tensor):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    weight_bytes = sum(storages.values())
+    weight_bytes = layer_weight_bytes(model)
     weight_bytes += model.final_norm.numel() * model.final_norm.element_size()
     weight_bytes += model.lm_head.numel() * model.lm_head.element_size()
     weight_bytes += batch * model.embed.shape[1] * model.embed.element_size()  # rows gathered
@@ -288,16 +307,7 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
     with torch.inference_mode():
         runner._replay(host, batch, batch)
         torch.cuda.synchronize()
-        graph = runner.graphs[batch][0]
-        times = []
-        for _ in range(30):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-    measured = float(np.median(times))
+        measured = cuda_median_s(runner.graphs[batch][0].replay, reps=30)
     roofline = (weight_bytes + kv_bytes) / copy_bw
     return {"batch": batch, "ctx": ctx, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
             "step_s": measured, "roofline_s": roofline, "fraction": roofline / measured}
@@ -310,21 +320,9 @@ def profile_steps(llm: LLM, batch: int, ctx: int, copy_bw: float, prefill_tokens
     forward of ``prefill_tokens`` tokens (16 sequences) with its achieved TFLOP/s."""
     runner = llm.engine.runner
     model = runner.model
-    decode_step_roofline(llm, batch, ctx, copy_bw, device)  # fills the static buffers
-
-    def timed(fn, reps: int = 10) -> float:
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        return float(np.median(times))
-
+    graph = decode_step_roofline(llm, batch, ctx, copy_bw, device)  # fills the static buffers
     with torch.inference_mode():
-        eager_s = timed(lambda: runner._decode_forward(batch))
+        eager_s = cuda_median_s(lambda: runner._decode_forward(batch), reps=10)
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
@@ -347,16 +345,12 @@ def profile_steps(llm: LLM, batch: int, ctx: int, copy_bw: float, prefill_tokens
                                          dtype=torch.int32),
             max_query_len=per, max_seq_len=per)
         ids = torch.randint(0, model.embed.shape[0], (seqs * per,), device=device)
-        prefill_s = timed(lambda: model.forward(ids, positions, meta, runner.kv_cache), reps=5)
-    params = sum(t.numel() for layer in model.layers for t in
-                 (layer.qkv if layer.qkv is not None else layer.q, layer.o,
-                  layer.gate_up if layer.gate_up is not None else layer.gate, layer.down))
-    if model.layers[0].qkv is None or model.layers[0].gate_up is None:
-        params += sum(t.numel() for layer in model.layers for t in (layer.k, layer.v, layer.up))
+        prefill_s = cuda_median_s(lambda: model.forward(ids, positions, meta, runner.kv_cache),
+                                  reps=5)
+    params = layer_weight_bytes(model) // model.embed.element_size()  # norms included
     attn_flops = 4 * len(model.layers) * model.num_heads * model.head_dim * seqs * per * per / 2
     flops = 2 * params * seqs * per + attn_flops
-    return {"ctx": ctx, "graph_s": decode_step_roofline(llm, batch, ctx, copy_bw,
-                                                        device).get("step_s"),
+    return {"ctx": ctx, "graph_s": graph.get("step_s"),
             "eager_s": eager_s, "kernel_table": table, "prefill_tokens": seqs * per,
             "prefill_s": prefill_s, "prefill_tflops": flops / prefill_s / 1e12}
 

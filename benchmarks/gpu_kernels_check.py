@@ -190,16 +190,15 @@ def fused_cases(dtype: torch.dtype) -> dict[str, Callable[[], float]]:
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
         positions = torch.randint(0, 8192, (n,), device=dev)
+        cos, sin = cos[positions], sin[positions]  # each token's rows
         num_blocks, block_size = 400, 16
         slots = torch.randperm(num_blocks * block_size, device=dev)[:n]
         slots[torch.rand(n, device=dev) < 0.2] = -1
         shape = (num_blocks, block_size, kv_heads, hd)
         caches = [torch.full(shape, float("nan"), device=dev, dtype=dtype) for _ in range(4)]
         want_q = q.clone()
-        reference.rotary_and_cache(want_q, k, v, cos, sin, positions, caches[0], caches[1],
-                                   slots)
-        triton_fused.rotary_and_cache(q, k, v, cos, sin, positions, caches[2], caches[3],
-                                      slots)
+        reference.rotary_and_cache(want_q, k, v, cos, sin, caches[0], caches[1], slots)
+        triton_fused.rotary_and_cache(q, k, v, cos, sin, caches[2], caches[3], slots)
         if part == "query":
             return mismatch(q, want_q)
         return max(mismatch(caches[2].nan_to_num(), caches[0].nan_to_num()),

@@ -79,6 +79,8 @@ class LlamaModel:
         positions = torch.arange(max_positions, device=self.device)[None, :]
         cos, sin = rotary(self.embed[:1], positions)
         self.cos, self.sin = cos[0], sin[0]
+        # the norm after each layer's MLP: the next layer's input norm, then the final norm
+        self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> _Layer:
@@ -129,15 +131,16 @@ class LlamaModel:
         n = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         x = kernels.rms_norm(h, self.layers[0].input_norm, self.eps)
-        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-        for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
+        cos, sin = self.cos[positions], self.sin[positions]
+        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms,
+                                                       strict=True)):
             q, k, v = self._qkv(layer, x)
             q = q.view(n, self.num_heads, self.head_dim)
             k = k.view(n, self.num_kv_heads, self.head_dim)
             v = v.view(n, self.num_kv_heads, self.head_dim)
             key_cache, value_cache = kv_cache[0, index], kv_cache[1, index]
-            kernels.rotary_and_cache(q, k, v, self.cos, self.sin, positions,
-                                     key_cache, value_cache, meta.slot_mapping)
+            kernels.rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache,
+                                     meta.slot_mapping)
             o = kernels.paged_attention(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,

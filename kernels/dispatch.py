@@ -82,14 +82,13 @@ def rotary_and_cache(
     value: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    positions: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Rotate ``query`` in place by the rotary tables ``cos``/``sin [max_positions, head_dim]``
-    at ``positions``, and write the rotated ``key`` and ``value`` into their cache slots."""
-    args = (query, key, value, cos, sin, positions, key_cache, value_cache, slot_mapping)
+    """Rotate ``query`` in place by each token's rotary rows ``cos``/``sin [num_tokens,
+    head_dim]``, and write the rotated ``key`` and ``value`` into their cache slots."""
+    args = (query, key, value, cos, sin, key_cache, value_cache, slot_mapping)
     if query.is_cuda:
         from kernels import triton_fused
 

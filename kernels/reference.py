@@ -140,13 +140,11 @@ def rotary_and_cache(
     value: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    positions: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    cos = cos[positions].unsqueeze(1)
-    sin = sin[positions].unsqueeze(1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     query.copy_(query * cos + _rotate_half(query) * sin)
     key = key * cos + _rotate_half(key) * sin
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)

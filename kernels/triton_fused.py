@@ -39,29 +39,28 @@ def _check_rows(*tensors: torch.Tensor) -> None:
         raise ValueError("fused kernels need a contiguous last dimension")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * rmsnorm(x)`` over the last dimension of ``x [num_tokens, hidden]``."""
-    _check_rows(x)
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+          eps: float) -> torch.Tensor:
+    res = x if residual is None else residual  # unused without a residual
+    _check_rows(x, res)
     out = torch.empty_like(x)
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](
-            x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), x.shape[1], eps,
-            HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(x.shape[1]),
+            x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), x.shape[1], eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]),
         )
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(x)`` over the last dimension of ``x [num_tokens, hidden]``."""
+    return _norm(x, None, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """``residual += x`` (in place, rounded to its dtype), then ``weight * rmsnorm(residual)``."""
-    _check_rows(x, residual)
-    out = torch.empty_like(x)
-    if x.shape[0]:
-        _rms_norm_kernel[(x.shape[0],)](
-            x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0),
-            x.shape[1], eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(x.shape[1]),
-        )
-    return out
+    return _norm(x, residual, weight, eps)
 
 
 @triton.jit
@@ -108,7 +107,7 @@ def _rotate(x_ptr, cos_ptr, sin_ptr, d, HALF: tl.constexpr):
 
 @triton.jit
 def _rotary_and_cache_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, key_cache_ptr, value_cache_ptr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, key_cache_ptr, value_cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
     stride_cb, stride_ct, stride_ch, block_size, num_heads,
     HALF: tl.constexpr,
@@ -116,9 +115,8 @@ def _rotary_and_cache_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    cos = cos_ptr + pos * stride_table
-    sin = sin_ptr + pos * stride_table
+    cos = cos_ptr + token * stride_table
+    sin = sin_ptr + token * stride_table
     if head < num_heads:
         q = q_ptr + token * stride_qt + head * stride_qh
         first, second = _rotate(q, cos, sin, d, HALF)
@@ -146,7 +144,6 @@ def rotary_and_cache(
     value: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    positions: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -154,7 +151,7 @@ def rotary_and_cache(
     """Rotate ``query [num_tokens, num_heads, head_dim]`` in place and write the rotated
     ``key`` and ``value [num_tokens, num_kv_heads, head_dim]`` into their cache slots.
 
-    ``cos``/``sin`` are ``[max_positions, head_dim]`` tables indexed by ``positions``; a
+    ``cos``/``sin`` are ``[num_tokens, head_dim]``, each token's rows of the rotary tables; a
     negative slot skips the cache write (padding). ``key`` itself is left unrotated.
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -167,7 +164,7 @@ def rotary_and_cache(
     if num_tokens == 0:
         return
     _rotary_and_cache_kernel[(num_tokens, num_heads + num_kv_heads)](
-        query, key, value, cos, sin, positions, slot_mapping, key_cache, value_cache,
+        query, key, value, cos, sin, slot_mapping, key_cache, value_cache,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         value.stride(0), value.stride(1), cos.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

@@ -80,8 +80,9 @@ def test_rotary_and_cache(dtype, num_heads, num_kv_heads, head_dim, block_size) 
     caches = [torch.full(cache_shape, float("nan"), dtype=dtype) for _ in range(4)]
 
     want_q, k_before = q.clone(), k.clone()
-    reference.rotary_and_cache(want_q, k, v, cos, sin, positions, caches[0], caches[1], slots)
-    triton_fused.rotary_and_cache(q, k, v, cos, sin, positions, caches[2], caches[3], slots)
+    cos, sin = cos[positions], sin[positions]  # each token's rows
+    reference.rotary_and_cache(want_q, k, v, cos, sin, caches[0], caches[1], slots)
+    triton_fused.rotary_and_cache(q, k, v, cos, sin, caches[2], caches[3], slots)
 
     key_got, key_want = caches[2].nan_to_num(), caches[0].nan_to_num()
     if dtype == torch.float32:
