@@ -168,4 +168,6 @@ class LlamaModel:
         return F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        """Logits in the model's dtype, as transformers computes them; the sampler upcasts
+        only where it needs float32 (softmax, logprobs): a greedy row is its argmax."""
+        return F.linear(hidden, self.lm_head)

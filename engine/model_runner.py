@@ -174,7 +174,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, sample_indices: list[int]) -> torch.Tensor:
-        """Run one step; returns fp32 logits for the sequences at ``sample_indices``.
+        """Run one step; returns the logits (model dtype) of the sequences at ``sample_indices``.
 
         On the CUDA-graph path the result is a view of the graph's static output: read it
         (the sampler does) before the next ``execute``."""

@@ -30,6 +30,7 @@ DECODE_CONFIG: dict[str, dict[str, int]] = {
     "16": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
     "32": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
 }
+REDUCE_WARPS = 1  # the split merge is a few hundred bytes per head: one warp is fastest
 EXTEND_CONFIG: dict[str, dict[str, int]] = {
     "16": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     "32": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
@@ -306,6 +307,10 @@ def paged_attention(
 
     splits = num_splits or num_decode_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
     cfg = DECODE_CONFIG[bits]
+    block_n = max(cfg["BLOCK_N"], block_size)
+    # A split of at most one key tile has nothing to pipeline: without stage buffers more
+    # programs fit on a multiprocessor (short contexts split many ways).
+    stages = 1 if -(-max_seq_len // splits) <= block_n else cfg["num_stages"]
     if splits == 1:
         mid_o = mid_lse = out  # unused
         mid_strides = (0, 0, 0)
@@ -320,16 +325,16 @@ def paged_attention(
         out, mid_o, mid_lse, qk_scale, splits,
         *q_strides, *cache_strides, *table_strides, *mid_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=max(cfg["BLOCK_N"], block_size),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n,
         DIRECT=splits == 1, PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=stages,
     )
     if splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
             out, mid_o, mid_lse, query_start_loc, splits,
             out.stride(0), out.stride(1), *mid_strides,
             HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits),
-            num_warps=4,
+            num_warps=REDUCE_WARPS,
         )
 
     if max_query_len > 1:

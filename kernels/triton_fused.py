@@ -91,15 +91,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate(x_ptr, cos_ptr, sin_ptr, d, HALF: tl.constexpr):
-    """``x * cos + rotate_half(x) * sin`` for one head, each product and the sum rounded."""
-    x1 = tl.load(x_ptr + d).to(tl.float32)
-    x2 = tl.load(x_ptr + HALF + d).to(tl.float32)
-    c1 = tl.load(cos_ptr + d).to(tl.float32)
-    c2 = tl.load(cos_ptr + HALF + d).to(tl.float32)
-    s1 = tl.load(sin_ptr + d).to(tl.float32)
-    s2 = tl.load(sin_ptr + HALF + d).to(tl.float32)
-    ty = x_ptr.dtype.element_ty
+def _rotate(x_ptrs, c1, c2, s1, s2, mask, HALF: tl.constexpr):
+    """``x * cos + rotate_half(x) * sin`` for a tile of heads ``[heads, HALF]`` (two halves),
+    each product and the sum rounded to the activation dtype, as transformers computes it."""
+    ty = x_ptrs.dtype.element_ty
+    x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
     first = (x1 * c1).to(ty).to(tl.float32) + (-x2 * s1).to(ty).to(tl.float32)
     second = (x2 * c2).to(ty).to(tl.float32) + (x1 * s2).to(ty).to(tl.float32)
     return first.to(ty), second.to(ty)
@@ -109,33 +106,36 @@ def _rotate(x_ptr, cos_ptr, sin_ptr, d, HALF: tl.constexpr):
 def _rotary_and_cache_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, key_cache_ptr, value_cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
-    stride_cb, stride_ct, stride_ch, block_size, num_heads,
-    HALF: tl.constexpr,
+    stride_cb, stride_ct, stride_ch, block_size, num_heads, num_kv_heads,
+    HALF: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
 ):
+    """One token: every query head rotated in place, every K/V head written to its slot."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, HALF)
-    cos = cos_ptr + token * stride_table
-    sin = sin_ptr + token * stride_table
-    if head < num_heads:
-        q = q_ptr + token * stride_qt + head * stride_qh
-        first, second = _rotate(q, cos, sin, d, HALF)
-        tl.store(q + d, first)
-        tl.store(q + HALF + d, second)
-    else:
-        kv_head = (head - num_heads).to(tl.int64)
-        slot = tl.load(slot_ptr + token).to(tl.int64)
-        if slot >= 0:
-            first, second = _rotate(k_ptr + token * stride_kt + kv_head * stride_kh,
-                                    cos, sin, d, HALF)
-            dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct \
-                + kv_head * stride_ch
-            ty = key_cache_ptr.dtype.element_ty
-            tl.store(key_cache_ptr + dst + d, first.to(ty))
-            tl.store(key_cache_ptr + dst + HALF + d, second.to(ty))
-            v = v_ptr + token * stride_vt + kv_head * stride_vh
-            tl.store(value_cache_ptr + dst + d, tl.load(v + d).to(ty))
-            tl.store(value_cache_ptr + dst + HALF + d, tl.load(v + HALF + d).to(ty))
+    d = tl.arange(0, HALF)[None, :]
+    table = token * stride_table
+    c1 = tl.load(cos_ptr + table + d).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + HALF + d).to(tl.float32)
+    s1 = tl.load(sin_ptr + table + d).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + HALF + d).to(tl.float32)
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    q = q_ptr + token * stride_qt + heads * stride_qh + d
+    first, second = _rotate(q, c1, c2, s1, s2, heads < num_heads, HALF)
+    tl.store(q, first, mask=heads < num_heads)
+    tl.store(q + HALF, second, mask=heads < num_heads)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        kv_heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+        kv_ok = kv_heads < num_kv_heads
+        k_first, k_second = _rotate(k_ptr + token * stride_kt + kv_heads * stride_kh + d,
+                                    c1, c2, s1, s2, kv_ok, HALF)
+        dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct \
+            + kv_heads * stride_ch + d
+        ty = key_cache_ptr.dtype.element_ty
+        tl.store(key_cache_ptr + dst, k_first.to(ty), mask=kv_ok)
+        tl.store(key_cache_ptr + dst + HALF, k_second.to(ty), mask=kv_ok)
+        v = v_ptr + token * stride_vt + kv_heads * stride_vh + d
+        tl.store(value_cache_ptr + dst, tl.load(v, mask=kv_ok).to(ty), mask=kv_ok)
+        tl.store(value_cache_ptr + dst + HALF, tl.load(v + HALF, mask=kv_ok).to(ty), mask=kv_ok)
 
 
 def rotary_and_cache(
@@ -163,11 +163,13 @@ def rotary_and_cache(
         raise ValueError("key/value caches and cos/sin tables must share strides")
     if num_tokens == 0:
         return
-    _rotary_and_cache_kernel[(num_tokens, num_heads + num_kv_heads)](
+    _rotary_and_cache_kernel[(num_tokens,)](
         query, key, value, cos, sin, slot_mapping, key_cache, value_cache,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         value.stride(0), value.stride(1), cos.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        key_cache.shape[1], num_heads, HALF=head_dim // 2,
+        key_cache.shape[1], num_heads, num_kv_heads, HALF=head_dim // 2,
+        HEADS_PAD=triton.next_power_of_2(num_heads),
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         enable_fp_fusion=False,  # no FMA: fp32 products round before the add, as in torch
     )
