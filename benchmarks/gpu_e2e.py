@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine.llm_engine as llm_engine_module  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.loader import build_hf_model, dummy_config, load_model  # noqa: E402
+from engine.loader import LoadedModel, build_hf_model, dummy_config, load_model  # noqa: E402
 from engine.model import AttentionMetadata  # noqa: E402
 
 T0 = time.perf_counter()
@@ -146,7 +146,8 @@ def check_correctness(llm: LLM, hf, prompts: list[list[int]], num_tokens: int,
                      None)
         row = {"prompt": i, "prompt_len": len(prompt), "equal": first is None,
                "first_divergence": first, "max_teacher_forced_margin": max(margins),
-               "num_non_argmax": sum(m > 0 for m in margins)}
+               "num_non_argmax": sum(m > 0 for m in margins),
+               "engine_tokens": mine, "hf_tokens": theirs}
         if first is not None:
             # transformers' logits at the divergence (its own context = the engine's, since
             # both agree before it): how far the engine's token is from its top-1, and the
@@ -163,6 +164,29 @@ def check_correctness(llm: LLM, hf, prompts: list[list[int]], num_tokens: int,
             + f"; teacher-forced max margin {max(margins):.4f}")
     return {"num_prompts": len(prompts), "num_tokens": num_tokens,
             "num_equal": sum(r["equal"] for r in rows), "rows": rows}
+
+
+def fp32_reference_agreement(loaded: LoadedModel, prompts: list[list[int]], check: dict,
+                             device: torch.device) -> dict:
+    """The same weights upcast to float32 as the exact computation: teacher-forced along each
+    16-bit implementation's own greedy path (transformers' and the engine's), at how many steps
+    its token is the float32 argmax, and the largest float32 logit deficit of its token there.
+    Flat logits make bit-for-bit equality of two 16-bit implementations a coin toss at near
+    ties; this asks which of them stays closer to the exact result."""
+    weights = {name: t.float() for name, t in loaded.state_dict.items()}
+    hf32 = build_hf_model(LoadedModel(loaded.name, loaded.config, weights, None))
+    result = {}
+    for who in ("hf", "engine"):
+        deficits: list[float] = []
+        for prompt, row in zip(prompts, check["rows"], strict=True):
+            deficits += teacher_forced_margins(hf32, prompt, row[f"{who}_tokens"], device)
+        result[who] = {"steps": len(deficits), "fp32_argmax": sum(d == 0 for d in deficits),
+                       "max_deficit": max(deficits), "mean_deficit": float(np.mean(deficits))}
+    del hf32, weights
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def fp32_correctness(args, device: torch.device, prompts: list[list[int]]) -> dict:
@@ -548,6 +572,11 @@ def main() -> None:
         torch.cuda.empty_cache()
         log(f"engine freed; {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
 
+    if dtype != torch.float32:
+        agreement = fp32_reference_agreement(loaded, correct_prompts, corr[args.dtype], device)
+        corr[args.dtype]["fp32_reference"] = agreement
+        log(f"{args.dtype} vs the float32 computation of the same weights: {agreement}")
+
     # transformers baseline
     size = hf_largest_batch(hf, requests, args.hf_candidates, device, args.hf_compile)
     batches = [requests[i:i + size] for i in range(0, len(requests), size)][:args.hf_batches]
@@ -584,6 +613,10 @@ def main() -> None:
                         for r in diverged)
         print(f"correctness ({name}): {c['num_equal']}/{c['num_prompts']} prompts x "
               f"{c['num_tokens']} tokens equal{extra}")
+        for who, a in c.get("fp32_reference", {}).items():
+            print(f"  {who} {name} greedy path vs float32 of the same weights: fp32 argmax at "
+                  f"{a['fp32_argmax']}/{a['steps']} steps, largest fp32 deficit "
+                  f"{a['max_deficit']:.4f}, mean {a['mean_deficit']:.5f}")
     hft = result["hf_throughput"]
     print(f"{'':28}{'tok/s':>10}{'seconds':>10}")
     print(f"{'engine (all requests)':28}{et['output_tokens_per_s']:>10.0f}{et['seconds']:>10.1f}")

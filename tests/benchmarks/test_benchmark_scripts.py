@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -93,3 +94,11 @@ def test_serving_quick(tmp_path, tiny_model, capsys):
     raw = json.loads((tmp_path / "serving_quick.json").read_text())
     (level,) = raw["results"]["chatgate"]
     assert level["errors"] == 0 and level["output_tokens"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_decode_power_refuses_without_cuda(monkeypatch):
+    """The GPU-only script imports cleanly and says why it cannot run here."""
+    monkeypatch.setattr(sys, "argv", ["decode_power.py"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        _load("decode_power").main()
