@@ -69,6 +69,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def release_memory(device: torch.device) -> None:
+    """Return what dropped references held to the allocator and, on CUDA, to the device."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes/s (read + written) of a large device-to-device copy: median of CUDA-event timings."""
     numel = 2**31 if device.type == "cuda" else 2**25
@@ -183,9 +190,7 @@ def fp32_reference_agreement(loaded: LoadedModel, prompts: list[list[int]], chec
         result[who] = {"steps": len(deficits), "fp32_argmax": sum(d == 0 for d in deficits),
                        "max_deficit": max(deficits), "mean_deficit": float(np.mean(deficits))}
     del hf32, weights
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)
     return result
 
 
@@ -207,9 +212,7 @@ def fp32_correctness(args, device: torch.device, prompts: list[list[int]]) -> di
     finally:
         llm_engine_module.load_model = load_model
     del llm, hf, loaded
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)
     return result
 
 
@@ -425,9 +428,7 @@ def hf_largest_batch(hf, requests, candidates: list[int], device: torch.device,
             return size
         except torch.OutOfMemoryError:
             log(f"  transformers batch {size}: out of memory")
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release_memory(device)
     return candidates[-1]
 
 
@@ -567,9 +568,8 @@ def main() -> None:
 
     del llm, runner
     llm_engine_module.load_model = load_model
-    gc.collect()
+    release_memory(device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         log(f"engine freed; {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
 
     if dtype != torch.float32:

@@ -71,8 +71,8 @@ class LlamaModel:
         self.layers = [self._layer(weights, i) for i in range(config.num_hidden_layers)]
         # CUDA: one GEMM for q/k/v and one for gate/up (fewer, larger kernels per step).
         # CPU keeps transformers' op-for-op numerics.
-        self.fused = self.device.type == "cuda" if fuse is None else fuse
-        if self.fused:
+        fused = self.device.type == "cuda" if fuse is None else fuse
+        if fused:
             for i, layer in enumerate(self.layers):
                 self._fuse(weights, i, layer)
         rotary = LlamaRotaryEmbedding(config).to(self.device)

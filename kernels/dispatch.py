@@ -48,32 +48,30 @@ def paged_attention(
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm`` of ``x [num_tokens, hidden]``."""
-    if x.is_cuda:
+def _fused_or_reference(t: torch.Tensor):
+    """``triton_fused`` for a CUDA tensor (imported on first use, so CPU never loads it),
+    else ``reference``: both implement the elementwise contract below."""
+    if t.is_cuda:
         from kernels import triton_fused
 
-        return triton_fused.rms_norm(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
+        return triton_fused
+    return reference
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm`` of ``x [num_tokens, hidden]``."""
+    return _fused_or_reference(x).rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """``residual += x`` in place, then ``rms_norm(residual)``: the decoder's residual step."""
-    if x.is_cuda:
-        from kernels import triton_fused
-
-        return triton_fused.add_rms_norm(x, residual, weight, eps)
-    return reference.add_rms_norm(x, residual, weight, eps)
+    return _fused_or_reference(x).add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up [num_tokens, 2 * width]`` (gate first)."""
-    if gate_up.is_cuda:
-        from kernels import triton_fused
-
-        return triton_fused.silu_and_mul(gate_up)
-    return reference.silu_and_mul(gate_up)
+    return _fused_or_reference(gate_up).silu_and_mul(gate_up)
 
 
 def rotary_and_cache(
@@ -88,10 +86,5 @@ def rotary_and_cache(
 ) -> None:
     """Rotate ``query`` in place by each token's rotary rows ``cos``/``sin [num_tokens,
     head_dim]``, and write the rotated ``key`` and ``value`` into their cache slots."""
-    args = (query, key, value, cos, sin, key_cache, value_cache, slot_mapping)
-    if query.is_cuda:
-        from kernels import triton_fused
-
-        triton_fused.rotary_and_cache(*args)
-    else:
-        reference.rotary_and_cache(*args)
+    _fused_or_reference(query).rotary_and_cache(query, key, value, cos, sin, key_cache,
+                                                value_cache, slot_mapping)
