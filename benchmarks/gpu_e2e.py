@@ -18,17 +18,22 @@ Method:
   against transformers' own greedy decoding (``generate``, ``do_sample=False``, one prompt at a
   time, EOS disabled like ``ignore_eos``). Random weights can make near-tied logits; every
   divergence is reported with its logit margin in transformers' logits (top-1 minus the logit of
-  the engine's token, teacher-forced on the engine's tokens). When some prompt diverges, the run
-  repeats the check with the embedding matrix scaled by 16 (exact in bf16, undone afterwards),
-  which makes the residual stream dominated by the embedding and the logits better separated
-  from bf16 rounding noise; both results are reported.
+  the engine's token, teacher-forced on the engine's tokens). Transformers is also run on the
+  same prompts as one left-padded batch: how often it agrees with itself shows how much of a
+  16-bit divergence is batch shape alone. In 16 bits both implementations are also compared
+  with the exact computation (the same weights in float32). ``--retry-embed-scale`` repeats the
+  check with the embedding matrix scaled by 16 (exact in bf16, undone afterwards).
 - Throughput: N ShareGPT-like requests (seeded log-normal lengths: prompts clipped to
   [32, 1024] tokens, outputs to [32, 512]), random token ids, greedy, ``ignore_eos``, all
   submitted at once through ``LLM.generate``. Transformers: the same requests in arrival order,
   left-padded batches of the largest batch size that fits (probed in the same run, with the
-  longest prompt and output), ``generate(cache_implementation="static")``; to bound device time
-  only the first ``--hf-batches`` batches are timed and its tokens/s (useful output tokens, i.e.
-  the requested lengths, not padding) are extrapolated to the whole set.
+  longest prompt and output), ``generate(cache_implementation="static")``, which compiles its
+  decoding forward (``torch.compile``, mode "reduce-overhead") by default for a static cache on a
+  GPU. Each batch's shapes are compiled (and their CUDA graphs recorded) in an untimed warm-up
+  that stops after a few tokens; that one-time cost is reported separately. Every batch is timed
+  unless ``--hf-batches N`` limits it to the first N (their rate, useful output tokens per
+  second, i.e. the requested lengths, not padding, is then extrapolated to the whole set);
+  ``--hf-eager`` turns transformers' compile off (``disable_compile=True``).
 - Decode step at batch 256: the engine's captured graph for 256 rows replayed over a context of
   ``--decode-ctx`` tokens per row; roofline = (weights read + KV read) / copy bandwidth, with
   the copy bandwidth measured in the same run as in ``benchmarks/attention_kernels.py`` (a 4 GiB
@@ -48,6 +53,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -123,6 +129,27 @@ def hf_greedy(hf, prompt: list[int], num_tokens: int, device: torch.device) -> l
     return out[0, len(prompt):].tolist()
 
 
+def hf_greedy_batch(hf, prompts: list[list[int]], num_tokens: int,
+                    device: torch.device) -> list[list[int]]:
+    """Transformers' greedy tokens for ``prompts`` generated together as one left-padded batch."""
+    ids, mask = left_padded(prompts, device)
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=num_tokens, do_sample=False,
+                      pad_token_id=0)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def left_padded(prompts: list[list[int]],
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of ``prompts`` left-padded to the longest (pad id 0)."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
 def teacher_forced_margins(hf, prompt: list[int], tokens: list[int],
                            device: torch.device) -> list[float]:
     """Per generated position: transformers' top-1 logit minus its logit of ``tokens[j]``
@@ -145,6 +172,7 @@ def check_correctness(llm: LLM, hf, prompts: list[list[int]], num_tokens: int,
                       device: torch.device) -> dict:
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     engine_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    hf_batched = hf_greedy_batch(hf, prompts, num_tokens, device)
     rows = []
     for i, (prompt, mine) in enumerate(zip(prompts, engine_tokens, strict=True)):
         theirs = hf_greedy(hf, prompt, num_tokens, device)
@@ -154,7 +182,8 @@ def check_correctness(llm: LLM, hf, prompts: list[list[int]], num_tokens: int,
         row = {"prompt": i, "prompt_len": len(prompt), "equal": first is None,
                "first_divergence": first, "max_teacher_forced_margin": max(margins),
                "num_non_argmax": sum(m > 0 for m in margins),
-               "engine_tokens": mine, "hf_tokens": theirs}
+               "engine_tokens": mine, "hf_tokens": theirs,
+               "hf_batched_equal": hf_batched[i] == theirs}
         if first is not None:
             # transformers' logits at the divergence (its own context = the engine's, since
             # both agree before it): how far the engine's token is from its top-1, and the
@@ -168,9 +197,11 @@ def check_correctness(llm: LLM, hf, prompts: list[list[int]], num_tokens: int,
                f"diverges at token {first}: engine {mine[first]} vs hf {theirs[first]}, "
                f"hf logit margin {row['margin_at_divergence']:.4f}, "
                f"hf top-2 gap {row['hf_top2_gap_at_divergence']:.4f}")
-            + f"; teacher-forced max margin {max(margins):.4f}")
+            + f"; teacher-forced max margin {max(margins):.4f}; transformers batched "
+            + ("equal to" if row["hf_batched_equal"] else "differs from") + " one-by-one")
     return {"num_prompts": len(prompts), "num_tokens": num_tokens,
-            "num_equal": sum(r["equal"] for r in rows), "rows": rows}
+            "num_equal": sum(r["equal"] for r in rows),
+            "hf_batched_num_equal": sum(r["hf_batched_equal"] for r in rows), "rows": rows}
 
 
 def fp32_reference_agreement(loaded: LoadedModel, prompts: list[list[int]], check: dict,
@@ -385,27 +416,43 @@ def profile_steps(llm: LLM, batch: int, ctx: int, copy_bw: float, prefill_tokens
 # -- transformers baseline -------------------------------------------------------------------
 
 
-def hf_generate_batch(hf, batch, device: torch.device, compile_: bool) -> tuple[float, int, int]:
+class StopAfter(StoppingCriteria):
+    """Stops every row once ``num_tokens`` tokens were generated (a warm-up of full shapes)."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens, self.calls = num_tokens, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.calls += 1
+        done = self.calls >= self.num_tokens
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+def hf_generate_batch(hf, batch, device: torch.device,
+                      compile_: bool) -> tuple[float, int, int, float]:
     """Left-padded static-cache greedy generation of one batch; (seconds, useful output tokens,
-    padded output tokens)."""
-    longest = max(len(p) for p, _ in batch)
+    padded output tokens, seconds of the untimed compile warm-up)."""
+    ids, mask = left_padded([p for p, _ in batch], device)
     new = max(o for _, o in batch)
-    ids = torch.zeros(len(batch), longest, dtype=torch.long)
-    mask = torch.zeros(len(batch), longest, dtype=torch.long)
-    for i, (p, _) in enumerate(batch):
-        ids[i, longest - len(p):] = torch.tensor(p)
-        mask[i, longest - len(p):] = 1
-    ids, mask = ids.to(device), mask.to(device)
+    kwargs = {"attention_mask": mask, "max_new_tokens": new, "do_sample": False,
+              "pad_token_id": 0, "cache_implementation": "static",
+              "disable_compile": not compile_}
+    warmup_s = 0.0
+    if compile_:
+        # the same shapes (so the same static cache and compiled graphs), stopped early
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, stopping_criteria=StoppingCriteriaList([StopAfter(3)]), **kwargs)
+        sync(device)
+        warmup_s = time.perf_counter() - start
     sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new,
-                          do_sample=False, pad_token_id=0,
-                          cache_implementation="static", disable_compile=not compile_)
+        out = hf.generate(ids, **kwargs)
     sync(device)
     elapsed = time.perf_counter() - start
-    assert out.shape[1] == longest + new, out.shape
-    return elapsed, sum(o for _, o in batch), len(batch) * new
+    assert out.shape[1] == ids.shape[1] + new, out.shape
+    return elapsed, sum(o for _, o in batch), len(batch) * new, warmup_s
 
 
 def hf_largest_batch(hf, requests, candidates: list[int], device: torch.device,
@@ -452,15 +499,16 @@ def main() -> None:
     ap.add_argument("--correct-tokens", type=int, default=32)
     ap.add_argument("--decode-batch", type=int, default=256)
     ap.add_argument("--decode-ctx", type=int, nargs="+", default=[512, 1024, 2048])
-    ap.add_argument("--hf-batches", type=int, default=1)
+    ap.add_argument("--hf-batches", type=int, default=None,
+                    help="time only the first N transformers batches and extrapolate")
     ap.add_argument("--no-fp32-check", action="store_true",
                     help="skip the float32 correctness check (a separate fp32 load)")
     ap.add_argument("--retry-embed-scale", action="store_true",
                     help=f"on a bf16 divergence, re-check with the embedding scaled by "
                          f"{EMBED_SCALE:g}")
     ap.add_argument("--hf-candidates", type=int, nargs="+", default=[384, 256, 192, 128, 64])
-    ap.add_argument("--hf-compile", action="store_true",
-                    help="let transformers auto-compile the static-cache forward")
+    ap.add_argument("--hf-eager", action="store_true",
+                    help="turn off transformers' automatic compile of the static-cache forward")
     ap.add_argument("--quick", action="store_true",
                     help="short lengths (prompts 8-64, outputs 4-32): a smoke test of the script")
     args = ap.parse_args()
@@ -578,21 +626,26 @@ def main() -> None:
         log(f"{args.dtype} vs the float32 computation of the same weights: {agreement}")
 
     # transformers baseline
-    size = hf_largest_batch(hf, requests, args.hf_candidates, device, args.hf_compile)
-    batches = [requests[i:i + size] for i in range(0, len(requests), size)][:args.hf_batches]
-    hf_time = hf_useful = hf_padded = 0
+    hf_compile = not args.hf_eager and device.type == "cuda"  # transformers compiles on GPUs
+    size = hf_largest_batch(hf, requests, args.hf_candidates, device, hf_compile)
+    all_batches = [requests[i:i + size] for i in range(0, len(requests), size)]
+    batches = all_batches[:args.hf_batches]
+    hf_time = hf_useful = hf_padded = hf_warmup = 0
     for i, batch in enumerate(batches):
-        t, useful, padded = hf_generate_batch(hf, batch, device, args.hf_compile)
+        t, useful, padded, warmup = hf_generate_batch(hf, batch, device, hf_compile)
         hf_time, hf_useful, hf_padded = hf_time + t, hf_useful + useful, hf_padded + padded
+        hf_warmup += warmup
         log(f"  transformers batch {i}: {len(batch)} requests, {useful} useful / {padded} "
-            f"generated tokens in {t:.1f}s")
+            f"generated tokens in {t:.1f}s"
+            + (f" (compile warm-up before it {warmup:.1f}s)" if hf_compile else ""))
     hf_tps = hf_useful / hf_time
     result["hf_throughput"] = {
         "batch_size": size, "batches_timed": len(batches), "seconds": hf_time,
         "useful_output_tokens": hf_useful, "generated_tokens": hf_padded,
         "output_tokens_per_s": hf_tps,
-        "extrapolated_seconds_all": et["output_tokens"] / hf_tps,
-        "compiled": args.hf_compile,
+        "all_batches": len(batches) == len(all_batches),
+        "seconds_all": et["output_tokens"] / hf_tps,  # measured when all_batches
+        "compiled": hf_compile, "compile_warmup_seconds": hf_warmup,
     }
     ratio = et["output_tokens_per_s"] / hf_tps
     result["ratio"] = ratio
@@ -613,6 +666,8 @@ def main() -> None:
                         for r in diverged)
         print(f"correctness ({name}): {c['num_equal']}/{c['num_prompts']} prompts x "
               f"{c['num_tokens']} tokens equal{extra}")
+        print(f"  transformers {name} as one left-padded batch vs one prompt at a time: "
+              f"{c['hf_batched_num_equal']}/{c['num_prompts']} equal")
         for who, a in c.get("fp32_reference", {}).items():
             print(f"  {who} {name} greedy path vs float32 of the same weights: fp32 argmax at "
                   f"{a['fp32_argmax']}/{a['steps']} steps, largest fp32 deficit "
@@ -620,8 +675,12 @@ def main() -> None:
     hft = result["hf_throughput"]
     print(f"{'':28}{'tok/s':>10}{'seconds':>10}")
     print(f"{'engine (all requests)':28}{et['output_tokens_per_s']:>10.0f}{et['seconds']:>10.1f}")
-    print(f"{'transformers (b=' + str(size) + ', ' + str(len(batches)) + ' batches)':28}"
-          f"{hf_tps:>10.0f}{hft['extrapolated_seconds_all']:>10.1f}  (extrapolated)")
+    how = ("all batches" if hft["all_batches"] else
+           f"{len(batches)} of {len(all_batches)} batches, extrapolated")
+    how += (f"; compiled, {hf_warmup:.0f}s of compile warm-up not counted" if hf_compile
+            else "; eager")
+    print(f"{'transformers (b=' + str(size) + ')':28}{hf_tps:>10.0f}"
+          f"{hft['seconds_all']:>10.1f}  ({how})")
     print(f"throughput ratio engine / transformers: {ratio:.1f}x (target >= 20x)")
     for r in result["decode_step"]:
         if "skipped" in r:
@@ -659,7 +718,8 @@ def plot(result: dict, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     et, hft = result["engine_throughput"], result["hf_throughput"]
-    axes[0].bar(["chatgate engine", f"transformers\nstatic, b={hft['batch_size']}"],
+    mode = "compiled" if hft["compiled"] else "eager"
+    axes[0].bar(["chatgate engine", f"transformers\nstatic, {mode}, b={hft['batch_size']}"],
                 [et["output_tokens_per_s"], hft["output_tokens_per_s"]], color=["C0", "C1"])
     axes[0].set_ylabel("output tokens/s")
     axes[0].set_title(f"Offline throughput ({result['ratio']:.1f}x)")
