@@ -482,7 +482,7 @@ def hf_largest_batch(hf, requests, candidates: list[int], device: torch.device,
 # -- main --------------------------------------------------------------------------------------
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="dummy:llama-3.1-8b")
     ap.add_argument("--device", default="cuda")
@@ -511,7 +511,7 @@ def main() -> None:
                     help="turn off transformers' automatic compile of the static-cache forward")
     ap.add_argument("--quick", action="store_true",
                     help="short lengths (prompts 8-64, outputs 4-32): a smoke test of the script")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

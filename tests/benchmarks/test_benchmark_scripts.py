@@ -96,6 +96,29 @@ def test_serving_quick(tmp_path, tiny_model, capsys):
     assert level["errors"] == 0 and level["output_tokens"] > 0
 
 
+def test_gpu_e2e_cpu_smoke(tmp_path, tiny_model, capsys, monkeypatch):
+    """The H200 script's own code path on CPU: both correctness checks (float32 tokens must be
+    equal: the oracle), transformers against itself, every transformers batch timed."""
+    mod = _load("gpu_e2e")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    # the script points the engine's loader at its already loaded weights; undo it even on failure
+    monkeypatch.setattr(mod.llm_engine_module, "load_model", mod.llm_engine_module.load_model)
+    mod.main(["--device", "cpu", "--model", tiny_model, "--dtype", "bfloat16", "--quick",
+              "--num-requests", "6", "--correct-prompts", "2", "--correct-tokens", "4",
+              "--hf-candidates", "4"])
+    printed = capsys.readouterr().out
+    assert "correctness (float32): 2/2 prompts x 4 tokens equal" in printed
+    assert "transformers bfloat16 as one left-padded batch vs one prompt at a time" in printed
+    assert "transformers (b=4)" in printed and "(all batches; eager)" in printed
+    raw = json.loads((tmp_path / "gpu_e2e.json").read_text())
+    hf = raw["hf_throughput"]
+    assert (hf["batch_size"], hf["batches_timed"], hf["all_batches"]) == (4, 2, True)
+    assert hf["useful_output_tokens"] == raw["engine_throughput"]["output_tokens"]
+    assert raw["correctness"]["bfloat16"]["fp32_reference"]["engine"]["steps"] == 8
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "gpu_e2e.png").stat().st_size > 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_decode_power_refuses_without_cuda(monkeypatch):
     """The GPU-only script imports cleanly and says why it cannot run here."""
