@@ -121,7 +121,8 @@ class LLM:
         for prompt, ids, params in requests:
             request_id = str(next(self._ids))
             self.engine.add_request(request_id, ids, params, prompt=prompt,
-                                    session_id=session_id, cache_salt=cache_salt)
+                                    session_id=session_id, cache_salt=cache_salt,
+                                    final_only=True)
             order.append(request_id)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), disable=not use_tqdm, desc="requests") as bar:

@@ -33,6 +33,7 @@ class _Request:
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer | None]
     pending_forks: list[Sequence]
+    final_only: bool  # no output until it finishes (offline use, like vLLM's FINAL_ONLY)
     # per sample, how much text / how many tokens earlier outputs already carried
     sent_chars: list[int] = field(init=False)
     sent_tokens: list[int] = field(init=False)
@@ -111,7 +112,11 @@ class LLMEngine:
         prompt: str | None = None,
         session_id: str | None = None,
         cache_salt: str | None = None,
+        final_only: bool = False,
     ) -> None:
+        """Queue a request. Each step that gives it tokens returns its cumulative output and
+        the deltas since the last one; with ``final_only`` only the step that finishes it does
+        (nothing is lost: the final output holds every token and the whole text)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
@@ -129,13 +134,13 @@ class LLMEngine:
             for _ in seqs
         ]
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs,
-                                             detokenizers, seqs[1:])
+                                             detokenizers, seqs[1:], final_only)
         self.scheduler.add(seqs[0])
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Finish every sample of the request with reason "abort"; its blocks are released
-        (or pinned to its session) at once."""
-        request = self.requests.get(request_id)
+        """Finish every sample of the request with reason "abort" and forget the request; its
+        blocks are released (or pinned to its session) at once. Returns its final output."""
+        request = self.requests.pop(request_id, None)
         if request is None:
             return None
         for seq in request.seqs:
@@ -154,7 +159,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and return an output for every request that
-        produced tokens or finished this step."""
+        produced tokens (unless it is ``final_only``) or finished this step."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -198,8 +203,10 @@ class LLMEngine:
 
         outputs = []
         for request in touched.values():
-            outputs.append(self._output(request))
-            if request.finished:
+            finished = request.finished
+            if finished or not request.final_only:
+                outputs.append(self._output(request))
+            if finished:
                 del self.requests[request.request_id]
         return outputs
 
