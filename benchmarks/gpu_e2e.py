@@ -78,6 +78,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def wall_s(fn, device: torch.device):
+    """``(seconds, fn())``: wall time of ``fn`` with the device idle before and after it."""
+    sync(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - start, result
+
+
 def release_memory(device: torch.device) -> None:
     """Return what dropped references held to the allocator and, on CUDA, to the device."""
     gc.collect()
@@ -123,13 +132,6 @@ def make_requests(n: int, vocab: int, seed: int, prompt_range: tuple[int, int],
 
 
 # -- correctness -----------------------------------------------------------------------------
-
-
-def hf_greedy(hf, prompt: list[int], num_tokens: int, device: torch.device) -> list[int]:
-    ids = torch.tensor([prompt], device=device)
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
-                      do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def hf_greedy_batch(hf, prompts: list[list[int]], num_tokens: int,
@@ -178,7 +180,7 @@ def check_correctness(llm: LLM, hf, prompts: list[list[int]], num_tokens: int,
     hf_batched = hf_greedy_batch(hf, prompts, num_tokens, device)
     rows = []
     for i, (prompt, mine) in enumerate(zip(prompts, engine_tokens, strict=True)):
-        theirs = hf_greedy(hf, prompt, num_tokens, device)
+        theirs = hf_greedy_batch(hf, [prompt], num_tokens, device)[0]  # one at a time
         margins = teacher_forced_margins(hf, prompt, mine, device)
         first = next((j for j, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b),
                      None)
@@ -290,11 +292,7 @@ def engine_warmup(llm: LLM, requests, device: torch.device) -> float:
     transformers' compile warm-up is; returns its seconds."""
     batch = requests[:WARMUP_REQUESTS]
     params = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
-    sync(device)
-    start = time.perf_counter()
-    llm.generate([p for p, _ in batch], params)
-    sync(device)
-    return time.perf_counter() - start
+    return wall_s(lambda: llm.generate([p for p, _ in batch], params), device)[0]
 
 
 def engine_throughput(llm: LLM, requests, device: torch.device) -> dict:
@@ -305,11 +303,7 @@ def engine_throughput(llm: LLM, requests, device: torch.device) -> dict:
     runner = llm.engine.runner
     graph0, eager0 = runner.num_graph_steps, runner.num_eager_steps
     preemptions0 = llm.engine.scheduler.num_preemptions
-    sync(device)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync(device)
-    elapsed = time.perf_counter() - start
+    elapsed, outs = wall_s(lambda: llm.generate(prompts, params), device)
     recorder.restore()
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(o for _, o in requests), "ignore_eos: every request runs to max"
@@ -457,19 +451,13 @@ def hf_generate_batch(hf, batch, device: torch.device,
               "pad_token_id": 0, "cache_implementation": "static",
               "disable_compile": not compile_}
     warmup_s = 0.0
-    if compile_:
-        # the same shapes (so the same static cache and compiled graphs), stopped early
-        start = time.perf_counter()
-        with torch.inference_mode():
-            hf.generate(ids, stopping_criteria=StoppingCriteriaList([StopAfter(3)]), **kwargs)
-        sync(device)
-        warmup_s = time.perf_counter() - start
-    sync(device)
-    start = time.perf_counter()
     with torch.inference_mode():
-        out = hf.generate(ids, **kwargs)
-    sync(device)
-    elapsed = time.perf_counter() - start
+        if compile_:
+            # the same shapes (so the same static cache and compiled graphs), stopped early
+            stop = StoppingCriteriaList([StopAfter(3)])
+            warmup_s, _ = wall_s(lambda: hf.generate(ids, stopping_criteria=stop, **kwargs),
+                                 device)
+        elapsed, out = wall_s(lambda: hf.generate(ids, **kwargs), device)
     assert out.shape[1] == ids.shape[1] + new, out.shape
     return elapsed, sum(o for _, o in batch), len(batch) * new, warmup_s
 
