@@ -39,6 +39,7 @@ from benchmarks._common import (  # noqa: E402
     ratio,
     table,
 )
+from engine.outputs import merge_outputs  # noqa: E402
 
 TOPICS = [
     "billing", "refunds", "shipping", "passwords", "two-factor login", "API keys", "rate limits",
@@ -89,16 +90,18 @@ def system_prompt(tokenizer, target_tokens: int, seed: int) -> str:
 
 def first_token_times(engine, submitted: dict[str, float]) -> tuple[dict[str, float], dict]:
     """Step until every request in ``submitted`` has finished; TTFT per request id and the
-    final outputs."""
+    whole outputs (each request's deltas merged)."""
     ttft: dict[str, float] = {}
     outputs: dict = {}
-    while any(r not in outputs for r in submitted):
+    while any(r not in outputs or not outputs[r].finished for r in submitted):
         for out in engine.step():
             if out.request_id not in submitted:
                 continue
             if out.request_id not in ttft and out.outputs[0].token_ids:
                 ttft[out.request_id] = time.perf_counter() - submitted[out.request_id]
-            if out.finished:
+            if out.request_id in outputs:
+                merge_outputs(outputs[out.request_id], out)
+            else:
                 outputs[out.request_id] = out
     return ttft, outputs
 

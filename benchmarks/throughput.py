@@ -65,7 +65,7 @@ def run_engine(llm, requests: list[tuple[list[int], int]], log: Tee) -> dict:
     ids = []
     for i, ((prompt, _), p) in enumerate(zip(requests, params, strict=True)):
         rid = f"tp{time.monotonic_ns()}-{i}"
-        engine.add_request(rid, prompt, p)
+        engine.add_request(rid, prompt, p, final_only=True)
         ids.append(rid)
     done: dict[str, int] = {}
     steps = 0

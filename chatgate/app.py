@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
@@ -37,6 +39,8 @@ from engine import AsyncEngine, EngineConfig
 
 log = logging.getLogger("chatgate")
 
+ENGINE_DEATH_EXIT_S = 1.0  # after the engine process dies: streams are failed, then we exit
+
 
 def static_dir() -> Path | None:
     """The browser UI: ``chatgate/static`` (package data, also in a source checkout), else a
@@ -51,13 +55,14 @@ def static_dir() -> Path | None:
     return None
 
 
-def load_engine(settings: Settings) -> AsyncEngine:
-    """Build the engine (blocking: loads weights, sizes the KV cache)."""
+async def start_engine(settings: Settings) -> AsyncEngine:
+    """Start the engine process and wait until its model is loaded (its progress is logged)."""
     kw = settings.engine.engine_kwargs()
-    log.info("loading model %r (device=%s, dtype=%s, block_size=%d)...", kw["model"],
-             kw["device"] or "auto", kw["dtype"] or "auto", kw["block_size"])
+    log.info("starting the engine: model %r (device=%s, dtype=%s, block_size=%d)...",
+             kw["model"], kw["device"] or "auto", kw["dtype"] or "auto", kw["block_size"])
     t0 = time.perf_counter()
-    engine = AsyncEngine(EngineConfig(**kw))
+    engine = AsyncEngine(EngineConfig(**kw), log_level=settings.log_level)
+    await engine.start()
     log.info("model %s loaded in %.1fs: max_model_len=%d", engine.model_name,
              time.perf_counter() - t0, engine.max_model_len)
     return engine
@@ -65,7 +70,7 @@ def load_engine(settings: Settings) -> AsyncEngine:
 
 def _stats_dict(engine: AsyncEngine) -> dict[str, Any]:
     stats = engine.stats()
-    return {**dataclasses.asdict(stats), "kv_cache_usage": stats.kv_cache_usage,
+    return {**msgspec.structs.asdict(stats), "kv_cache_usage": stats.kv_cache_usage,
             "kv_waste": stats.kv_waste, "num_tokens_computed": stats.num_tokens_computed}
 
 
@@ -73,6 +78,9 @@ async def healthz(request: Request) -> Response:
     gw: Gateway | None = getattr(request.app.state, "gateway", None)
     if gw is None:
         return JSONResponse({"status": "loading"}, status_code=503)
+    if gw.engine.dead is not None:
+        return JSONResponse({"status": "engine_dead", "error": gw.engine.dead},
+                            status_code=503)
     try:
         store_ok = await asyncio.wait_for(gw.store.ping(), timeout=2.0)
     except Exception:  # noqa: BLE001
@@ -119,14 +127,21 @@ async def _index(request: Request) -> Response:
         "/v1/models", "/v1/chat/completions", "/v1/ws", "/v1/sessions", "/metrics", "/healthz"]})
 
 
-def create_app(settings: Settings | None = None, engine: AsyncEngine | None = None) -> Starlette:
-    """The ASGI app. ``engine``: an already-built engine (else loaded at start-up)."""
+def create_app(settings: Settings | None = None) -> Starlette:
+    """The ASGI app; its lifespan starts the engine process and stops it. If the engine
+    process dies, open streams end with an error, /healthz answers 503, and the server shuts
+    down (``app.state.engine_failed`` tells the CLI to exit non-zero)."""
     settings = settings or Settings()
     tenants = TenantRegistry.load(settings.tenants_file, settings.server_secret)
 
+    def on_engine_death(reason: str) -> None:
+        app.state.engine_failed = True
+        log.error("shutting down in %.0fs: %s", ENGINE_DEATH_EXIT_S, reason)
+        asyncio.get_running_loop().call_later(ENGINE_DEATH_EXIT_S, os.kill, os.getpid(),
+                                              signal.SIGTERM)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-
         store = make_store(settings.redis_url, settings.session_ttl, settings.redis_prefix)
         try:  # fail fast, before the (slow) model load
             await store.ping()
@@ -134,29 +149,33 @@ def create_app(settings: Settings | None = None, engine: AsyncEngine | None = No
             with contextlib.suppress(Exception):
                 await store.close()
             raise RuntimeError(f"session store unreachable ({settings.redis_url}): {e}") from e
-        eng = engine if engine is not None else await asyncio.to_thread(load_engine, settings)
-        await eng.start()
+        try:
+            eng = await start_engine(settings)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await store.close()
+            raise
+        eng.on_death.append(on_engine_death)
         log.info("session store: %s%s", type(store).__name__,
                  f" at {settings.redis_url}" if settings.redis_url else " (in-process)")
         metrics = Metrics(settings.served_model_name or eng.model_name)
         metrics.attach_engine(eng.stats)
         gw = Gateway(settings, eng, tenants, store, metrics)
-        await gw.warm_tenants()
-        gw.start_background()
-        app.state.metrics = metrics
-        app.state.gateway = gw
-        log.info("tenants: %s%s", ", ".join(tenants.tenants),
-                 " (open: no API key needed)" if tenants.open_mode else "")
-        log.info("chatgate ready: model %s", gw.model_name)
         try:
+            await gw.warm_tenants()
+            gw.start_background()
+            app.state.metrics = metrics
+            app.state.gateway = gw
+            log.info("tenants: %s%s", ", ".join(tenants.tenants),
+                     " (open: no API key needed)" if tenants.open_mode else "")
+            log.info("chatgate ready: model %s", gw.model_name)
             yield
         finally:
             app.state.gateway = None
             await gw.stop_background()
             with contextlib.suppress(Exception):
                 await store.close()
-            with contextlib.suppress(Exception):
-                await eng.shutdown()
+            await eng.shutdown()
 
     routes: list[Any] = [
         Route("/healthz", healthz, methods=["GET"]),
@@ -191,6 +210,7 @@ def create_app(settings: Settings | None = None, engine: AsyncEngine | None = No
         },
     )
     app.state.settings = settings
+    app.state.engine_failed = False
     app.state.gateway = None
     app.state.metrics = None
     app.state.tenants = tenants

@@ -118,8 +118,11 @@ def serve(settings: Settings) -> int:
         access_log=settings.log_level == "debug",
     )
     server = uvicorn.Server(config)
-    server.run()
-    return 0 if server.started else 1
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C once it has shut down in order
+        pass
+    return 0 if server.started and not app.state.engine_failed else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,11 +7,12 @@ requests stream."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from engine import EngineStats
 
 PREFIX = "chatgate:"
 
@@ -25,17 +26,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0)
 
 
-def stat(stats: Any, *names: str, default: float = 0.0) -> float:
-    """The first of ``names`` that ``stats`` has (engine stats field names vary)."""
-    for n in names:
-        v = stats.get(n) if isinstance(stats, dict) else getattr(stats, n, None)
-        if v is not None:
-            return float(v)
-    return default
-
-
 class _EngineCollector(Collector):
-    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+    def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
         self._get_stats = get_stats
         self._model = model_name
 
@@ -45,37 +37,25 @@ class _EngineCollector(Collector):
         return g
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        try:
-            s = self._get_stats()
-        except Exception:  # engine not ready / shutting down
-            return
-        if s is None:
-            return
-        usage = stat(s, "kv_cache_usage_perc", "kv_cache_usage", "kv_usage", "gpu_cache_usage")
-        if usage > 1.0:
-            usage /= 100.0
-        waste = stat(s, "kv_cache_waste_perc", "kv_cache_waste", "kv_waste", "waste")
-        if waste > 1.0:
-            waste /= 100.0
+        s = self._get_stats()
         yield self._gauge("num_requests_running", "Requests in the running batch.",
-                          stat(s, "num_requests_running", "num_running", "running"))
+                          s.num_requests_running)
         yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                          stat(s, "num_requests_waiting", "num_waiting", "waiting"))
+                          s.num_requests_waiting)
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
-                          usage)
+                          s.kv_cache_usage)
         yield self._gauge("num_pinned_sessions", "Sessions whose KV blocks are pinned.",
-                          stat(s, "num_pinned_sessions", "pinned_sessions", "pinned"))
+                          s.num_pinned_sessions)
         yield self._gauge("num_pinned_blocks", "KV blocks held by pinned sessions.",
-                          stat(s, "num_pinned_blocks", "pinned_blocks"))
+                          s.num_pinned_blocks)
         yield self._gauge("kv_cache_waste_perc",
                           "Measured fraction of allocated KV slots holding no token (0-1).",
-                          waste)
-        yield self._gauge("num_free_blocks", "Free KV blocks.",
-                          stat(s, "num_blocks_free", "num_free_blocks", "free_blocks"))
+                          s.kv_waste)
+        yield self._gauge("num_free_blocks", "Free KV blocks.", s.num_blocks_free)
         c = CounterMetricFamily(PREFIX + "num_preemptions",
                                 "Requests preempted (recomputed) for lack of KV blocks.",
                                 labels=["model_name"])
-        c.add_metric([self._model], stat(s, "num_preemptions"))
+        c.add_metric([self._model], s.num_preemptions)
         yield c
 
 
@@ -120,7 +100,7 @@ class Metrics:
         for transport in ("http", "ws"):
             self.active_streams.labels(model_name, transport)
 
-    def attach_engine(self, get_stats: Callable[[], Any]) -> None:
+    def attach_engine(self, get_stats: Callable[[], EngineStats]) -> None:
         self.registry.register(_EngineCollector(get_stats, self.model_name))
 
     def observe_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
@@ -128,3 +108,18 @@ class Metrics:
         self.prefix_cache_queries.labels(m).inc(prompt_tokens)
         self.prefix_cache_hits.labels(m).inc(cached_tokens)
         self.prompt_tokens.labels(m).inc(prompt_tokens)
+
+    def observe_itl(self, gap_s: float, num_tokens: int) -> None:
+        """``num_tokens`` arrived together ``gap_s`` after the previous ones: each counts as
+        ``gap_s / num_tokens`` apart (at most 64 observations)."""
+        itl = self.itl.labels(self.model_name)
+        for _ in range(min(num_tokens, 64)):
+            itl.observe(gap_s / num_tokens)
+
+    def observe_finish(self, reasons: set[str], e2e_s: float | None) -> None:
+        """A request ended with these finish reasons (one per sample kind); ``e2e_s`` when it
+        finished rather than being aborted."""
+        for reason in reasons:
+            self.request_success.labels(self.model_name, reason).inc()
+        if e2e_s is not None:
+            self.e2e.labels(self.model_name).observe(e2e_s)

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
@@ -22,44 +23,14 @@ from starlette.routing import Route
 from chatgate.auth import authenticate
 from chatgate.errors import APIError, from_validation_error
 from chatgate.openai_models import ChatCompletionRequest
-from chatgate.service import Gateway, TurnStats
+from chatgate.service import Gateway
+from chatgate.turn import Turn
+from engine import RequestOutput, TokenLogprob
+from engine.outputs import merge_outputs
 
 log = logging.getLogger("chatgate")
 
 SSE_PING_S = 15.0
-
-
-def sampling_params(
-    *,
-    n: int = 1,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    max_tokens: int | None = None,
-    seed: int | None = None,
-    stop: list[str] | None = None,
-    logprobs: int | None = None,
-    ignore_eos: bool = False,
-) -> Any:
-    """An ``engine.SamplingParams``; its ``ValueError`` (naming the parameter) becomes a 400."""
-    from engine import SamplingParams
-
-    kw: dict[str, Any] = {
-        "n": n,
-        "temperature": 1.0 if temperature is None else float(temperature),
-        "top_p": 1.0 if top_p is None else float(top_p),
-        "top_k": 0 if top_k is None or top_k < 0 else int(top_k),
-        "max_tokens": max_tokens,
-        "seed": seed,
-        "stop": list(stop or []),
-        "logprobs": logprobs,
-        "ignore_eos": bool(ignore_eos),
-    }
-    try:
-        return SamplingParams(**kw)
-    except ValueError as e:
-        param = str(e).split(" ", 1)[0] if str(e) else None
-        raise APIError(400, str(e), param=param, code="invalid_value") from None
 
 
 async def read_json(request: Request) -> Any:
@@ -88,7 +59,7 @@ async def list_models(request: Request) -> Response:
             "object": "model",
             "created": gw.created,
             "owned_by": "chatgate",
-            "root": gw._engine_model_name,
+            "root": gw.engine_model_name,
             "parent": None,
             "max_model_len": gw.max_model_len,
         }],
@@ -157,16 +128,6 @@ class _Logprobs:
         return out
 
 
-def _split_history(messages: list[dict[str, str]]) -> tuple[str | None, list[dict[str, str]]]:
-    """Leading system messages become the session's system prompt; the rest its history."""
-    system: list[str] = []
-    i = 0
-    while i < len(messages) and messages[i]["role"] == "system":
-        system.append(messages[i]["content"])
-        i += 1
-    return ("\n\n".join(system) or None), [dict(m) for m in messages[i:]]
-
-
 async def _until_disconnect(request: Request, task: asyncio.Task) -> Any:
     """Await ``task``; cancel it if the client disconnects first."""
     while True:
@@ -193,162 +154,125 @@ async def chat_completions(request: Request) -> Response:
     if not gw.accepts_model(req.model):
         raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
                        code="model_not_found")
-    messages = [m.as_template_message() for m in req.messages]
-    eid = gw.engine_session_id(tenant, req.session_id) if req.session_id else None
-    prompt_ids = gw.render(messages, eid)
-    max_tokens = gw.check_prompt(prompt_ids, req.requested_max_tokens(), clamp=False)
+    turn = Turn(gw, tenant, [m.as_template_message() for m in req.messages],
+                session_id=req.session_id, transport="http")
     top_n = req.top_logprobs or 0
-    params = sampling_params(
-        n=req.n or 1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-        max_tokens=max_tokens, seed=req.seed, stop=req.stop,
-        logprobs=top_n if req.logprobs else None, ignore_eos=bool(req.ignore_eos),
-    )
-    gw.admit(tenant)
-    if eid is not None:
-        try:
-            gw.acquire_session(eid)
-        except APIError:
-            gw.release(tenant, TurnStats())
-            raise
-
-    stats = TurnStats()
-    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    lp = _Logprobs(gw.engine.tokenizer, top_n) if req.logprobs else None
-
-    finished = False
-
-    async def finish(texts: dict[int, str] | None) -> None:
-        """Release the tenant's stream slot and the session (once); store the turn."""
-        nonlocal finished
-        if finished:
-            return
-        finished = True
-        gw.release(tenant, stats)
-        if eid is not None:
-            gw.release_session_lock(eid)
-            if texts is not None:
-                system, history = _split_history(messages)
-                history.append({"role": "assistant", "content": texts.get(0, "")})
-                try:
-                    await gw.store.replace(tenant.id, req.session_id, system, history)
-                except Exception:  # noqa: BLE001 - the answer was already delivered
-                    log.exception("could not store session %s", req.session_id)
-
+    turn.prepare(max_tokens=req.requested_max_tokens(), clamp_max_tokens=False,
+                 n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                 seed=req.seed, stop=req.stop, logprobs=top_n if req.logprobs else None,
+                 ignore_eos=req.ignore_eos)
+    await turn.start()
+    completion = _Completion(gw, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
+                             _Logprobs(gw.engine.tokenizer, top_n) if req.logprobs else None)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _sse_events(gw, tenant, prompt_ids, params, stats, eid, completion_id,
-                             created, include_usage, lp, finish)
-        # ``background`` runs after the response even if the client left before the event
+        # ``background`` releases the turn even if the client left before the event
         # generator ever started (its ``finally`` would then never run).
-        return EventSourceResponse(events, sep="\n", ping=SSE_PING_S,
-                                   background=BackgroundTask(finish, None))
-
-    async def run() -> dict[str, Any]:
-        final = None
-        async for out in gw.stream(tenant, prompt_ids, params, stats, eid=eid):
-            final = out
-        return final
-
-    ok = False
+        return EventSourceResponse(_sse_events(turn, completion, include_usage), sep="\n",
+                                   ping=SSE_PING_S, background=BackgroundTask(turn.release))
     try:
-        try:
-            final = await _until_disconnect(request, asyncio.ensure_future(run()))
-        except ValueError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
-        ok = True
+        final = await _until_disconnect(request, asyncio.ensure_future(_collect(turn)))
     finally:
-        texts = {c.index: c.text for c in final.outputs} if ok and final else None
-        await finish(texts)
-    choices = []
-    for c in sorted(final.outputs, key=lambda c: c.index):
-        choices.append({
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None},
-            "logprobs": {"content": lp.entries(c.logprobs or []), "refusal": None}
-            if lp is not None else None,
-            "finish_reason": _finish_reason(c.finish_reason) or "stop",
-        })
-    result: dict[str, Any] = {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": gw.model_name,
-        "choices": choices,
-        "usage": stats.usage(),
-        "system_fingerprint": None,
-    }
+        turn.release()
+    result = completion.response(final, turn.stats.usage())
     if req.session_id:
         result["session_id"] = req.session_id
     return JSONResponse(result)
 
 
-async def _sse_events(
-    gw: Gateway, tenant: Any, prompt_ids: list[int], params: Any, stats: TurnStats,
-    eid: str | None, completion_id: str, created: int, include_usage: bool,
-    lp: _Logprobs | None, finish: Any,
-) -> AsyncIterator[str]:
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+async def _collect(turn: Turn) -> RequestOutput:
+    """The turn's deltas merged into one output."""
+    final: RequestOutput | None = None
+    async with contextlib.aclosing(turn.stream()) as outputs:
+        async for out in outputs:
+            if final is None:
+                final = out
+            else:
+                merge_outputs(final, out)
+    assert final is not None and final.finished
+    return final
+
+
+class _Completion:
+    """Encodes one chat completion: a JSON body, or SSE ``chat.completion.chunk`` events that
+    share one id (each ``data: {...}\n\n`` as bytes, ready to send)."""
+
+    def __init__(self, gw: Gateway, completion_id: str, created: int,
+                 logprobs: _Logprobs | None) -> None:
+        self.id = completion_id
+        self.created = created
+        self.model = gw.model_name
+        self.logprobs = logprobs
+        self._encode = msgspec.json.Encoder().encode
+
+    def response(self, final: RequestOutput, usage: dict[str, Any]) -> dict[str, Any]:
+        lp = self.logprobs
+        choices = [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "logprobs": {"content": lp.entries(c.logprobs or []), "refusal": None}
+            if lp is not None else None,
+            "finish_reason": _finish_reason(c.finish_reason) or "stop",
+        } for c in sorted(final.outputs, key=lambda c: c.index)]
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+            "system_fingerprint": None,
+        }
+
+    def chunk(self, choices: list[dict[str, Any]], include_usage: bool,
+              usage: dict[str, Any] | None = None) -> bytes:
         obj: dict[str, Any] = {
-            "id": completion_id,
+            "id": self.id,
             "object": "chat.completion.chunk",
-            "created": created,
-            "model": gw.model_name,
+            "created": self.created,
+            "model": self.model,
             "system_fingerprint": None,
             "choices": choices,
         }
         if include_usage:
             obj["usage"] = usage
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        return b"data: " + self._encode(obj) + b"\n\n"
 
-    def choice(index: int, delta: dict[str, Any], finish_reason: str | None = None,
-               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def choice(self, index: int, delta: dict[str, Any], finish_reason: str | None = None,
+               logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         return {
             "index": index,
             "delta": delta,
-            "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
+            "logprobs": {"content": self.logprobs.entries(logprobs), "refusal": None}
+            if self.logprobs is not None and logprobs else None,
             "finish_reason": finish_reason,
         }
 
-    n = params.n
-    texts: dict[int, str] = {}
-    finished: set[int] = set()
-    lp_sent: dict[int, int] = {}
-    completed = False
+
+async def _sse_events(turn: Turn, completion: _Completion,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+    assert turn.params is not None
+    chunk, choice = completion.chunk, completion.choice
     try:
-        for i in range(n):
-            yield chunk([choice(i, {"role": "assistant", "content": "", "refusal": None})])
-        async for out in gw.stream(tenant, prompt_ids, params, stats, eid=eid):
-            for c in out.outputs:
-                if c.index in finished:
-                    continue
-                texts[c.index] = c.text
-                lps = None
-                if lp is not None and c.logprobs:
-                    k = lp_sent.get(c.index, 0)
-                    if len(c.logprobs) > k:
-                        lps = lp.entries(c.logprobs[k:])
-                        lp_sent[c.index] = len(c.logprobs)
-                if c.delta_text or lps:
-                    yield chunk([choice(c.index, {"content": c.delta_text}, None, lps)])
-                if c.finish_reason is not None:
-                    finished.add(c.index)
-                    yield chunk([choice(c.index, {}, _finish_reason(c.finish_reason))])
-        completed = True
+        for i in range(turn.params.n):
+            yield chunk([choice(i, {"role": "assistant", "content": "", "refusal": None})],
+                        include_usage)
+        async with contextlib.aclosing(turn.stream()) as outputs:
+            async for out in outputs:
+                for c in out.outputs:
+                    if c.text or c.logprobs:
+                        yield chunk([choice(c.index, {"content": c.text}, None, c.logprobs)],
+                                    include_usage)
+                    if c.finish_reason is not None:
+                        yield chunk([choice(c.index, {}, _finish_reason(c.finish_reason))],
+                                    include_usage)
         if include_usage:
-            yield chunk([], stats.usage())
-    except Exception as e:  # noqa: BLE001 - reported in-band, as OpenAI does
-        if isinstance(e, APIError):
-            err = e
-        elif isinstance(e, ValueError):
-            err = APIError(400, str(e), code="invalid_value")
-        else:
-            log.exception("stream %s failed", completion_id)
-            err = APIError(500, f"The engine failed while generating: {e}", code="engine_error")
-        yield json.dumps(err.body())
+            yield chunk([], include_usage, turn.stats.usage())
+    except APIError as e:  # reported in-band, as OpenAI does
+        yield b"data: " + json.dumps(e.body()).encode() + b"\n\n"
     finally:
-        await finish(texts if completed else None)
-    yield "[DONE]"
+        turn.release()
+    yield b"data: [DONE]\n\n"
 
 
 routes = [

@@ -17,11 +17,11 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from chatgate.errors import APIError, from_validation_error
-from chatgate.openai_api import sampling_params
 from chatgate.openai_models import SESSION_ID_PATTERN, WSParams
-from chatgate.service import Gateway, TurnStats
+from chatgate.service import Gateway
 from chatgate.sessions import SessionRecord, is_store_error
 from chatgate.tenants import Tenant
+from chatgate.turn import Turn
 
 log = logging.getLogger("chatgate")
 
@@ -203,19 +203,17 @@ class WSConnection:
         content = event.get("content")
         if not isinstance(content, str) or not content:
             raise APIError(400, "'content' must be a non-empty string.", code="invalid_params")
-        params = self._params(event)
-        history = self.session.chat_messages() + [{"role": "user", "content": content}]
-        prepared = self._prepare(history, params)
+        user = {"role": "user", "content": content}
+        turn = await self._start_turn(self.session.chat_messages() + [user], event)
         assert self.tenant is not None
-        try:
-            await self.gw.store.append(self.tenant.id, self.session.id,
-                                       [{"role": "user", "content": content}])
+        try:  # the user's message is kept even if no answer comes
+            await self.gw.store.append(self.tenant.id, self.session.id, [user])
         except BaseException:
-            self._unprepare(prepared[0])
+            turn.release()
             raise
-        self.session.messages.append({"role": "user", "content": content})
+        self.session.messages.append(user)
         self.session.num_messages += 1
-        self._start(*prepared)
+        self.task = asyncio.create_task(self._generate(turn))
 
     async def on_regenerate(self, event: dict[str, Any]) -> None:
         if self.session is None:
@@ -228,93 +226,62 @@ class WSConnection:
         if not msgs or msgs[-1]["role"] != "user":
             raise APIError(400, "Nothing to regenerate: the session has no user message.",
                            code="invalid_params")
-        params = self._params(event)
         head = [{"role": "system", "content": self.session.system}] if self.session.system else []
-        prepared = self._prepare(head + msgs, params)
+        turn = await self._start_turn(head + msgs, event)
         assert self.tenant is not None
         try:
             self.session = await self.gw.store.replace(self.tenant.id, self.session.id,
                                                        self.session.system, msgs)
         except BaseException:
-            self._unprepare(prepared[0])
+            turn.release()
             raise
-        self._start(*prepared)
+        self.task = asyncio.create_task(self._generate(turn))
 
-    def _prepare(self, history: list[dict[str, str]], p: WSParams) -> tuple:
+    async def _start_turn(self, messages: list[dict[str, str]], event: dict[str, Any]) -> Turn:
         assert self.tenant is not None and self.session is not None
-        eid = self.gw.engine_session_id(self.tenant, self.session.id)
-        prompt_ids = self.gw.render(history, eid)
-        max_tokens = self.gw.check_prompt(prompt_ids, p.max_tokens, clamp=True)
-        params = sampling_params(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=max_tokens,
-            seed=p.seed, stop=[p.stop] if isinstance(p.stop, str) else p.stop,
-            ignore_eos=bool(p.ignore_eos),
-        )
-        self.gw.admit(self.tenant)
-        try:
-            self.gw.acquire_session(eid)
-        except APIError:
-            self.gw.release(self.tenant, TurnStats())
-            raise
-        return eid, prompt_ids, params
+        p = self._params(event)
+        turn = Turn(self.gw, self.tenant, messages, session_id=self.session.id, transport="ws")
+        turn.prepare(max_tokens=p.max_tokens, clamp_max_tokens=True, temperature=p.temperature,
+                     top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                     stop=[p.stop] if isinstance(p.stop, str) else p.stop,
+                     ignore_eos=p.ignore_eos)
+        await turn.start()
+        return turn
 
-    def _unprepare(self, eid: str) -> None:
-        assert self.tenant is not None
-        self.gw.release(self.tenant, TurnStats())
-        self.gw.release_session_lock(eid)
-
-    def _start(self, eid: str, prompt_ids: list[int], params: Any) -> None:
-        assert self.tenant is not None
-        tenant, stats = self.tenant, TurnStats()
-        done = False
-
-        def release(*_: Any) -> None:
-            # Called before ``done`` is sent, and as the task's done-callback (which also
-            # runs when the task is cancelled before it ever started).
-            nonlocal done
-            if not done:
-                done = True
-                self.gw.release(tenant, stats)
-                self.gw.release_session_lock(eid)
-
-        self.task = asyncio.create_task(self._generate(eid, prompt_ids, params, stats, release))
-        self.task.add_done_callback(release)
-
-    async def _generate(self, eid: str, prompt_ids: list[int], params: Any,
-                        stats: TurnStats, release: Any) -> None:
-        assert self.tenant is not None and self.session is not None
-        tenant, session = self.tenant, self.session
-        text = ""
+    async def _generate(self, turn: Turn) -> None:
+        """Stream the answer as ``delta`` events, then ``done`` once the turn is stored. A
+        cancelled answer keeps its partial text (stored, then ``done`` "cancelled")."""
+        assert self.session is not None
+        session = self.session
         finish = "cancelled"
+        error: APIError | None = None
         try:
-            async for out in self.gw.stream(tenant, prompt_ids, params, stats, eid=eid,
-                                            transport="ws"):
-                c = out.outputs[0]
-                text = c.text
-                if c.delta_text:
-                    await self.send({"type": "delta", "text": c.delta_text})
-                if c.finish_reason is not None:
-                    finish = c.finish_reason if c.finish_reason in ("stop", "length") \
-                        else "cancelled"
-        except asyncio.CancelledError:
-            finish = "cancelled"
-        except ValueError as e:
-            release()
-            await self.error("invalid_params", str(e))
-            return
-        except Exception as e:  # noqa: BLE001
-            release()
+            try:
+                async with contextlib.aclosing(turn.stream()) as outputs:
+                    async for out in outputs:
+                        c = out.outputs[0]
+                        if c.text:
+                            await self.send({"type": "delta", "text": c.text})
+                        if c.finish_reason in ("stop", "length"):
+                            finish = c.finish_reason
+            except asyncio.CancelledError:
+                if turn.answer:
+                    await turn.store()
+            if turn.answer:
+                session.messages.append({"role": "assistant", "content": turn.answer})
+                session.num_messages += 1
+        except APIError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - reported as an event; the socket stays open
             log.exception("websocket generation failed")
-            await self.error("engine_error", f"The engine failed: {e}")
+            error = APIError(500, f"{type(e).__name__}: {e}", code="internal_error")
+        finally:
+            turn.release()
+        if error is not None:
+            await self.error(error.code or "error", error.message)
             return
-        if text:
-            msg = {"role": "assistant", "content": text}
-            session.messages.append(msg)
-            session.num_messages += 1
-            with contextlib.suppress(Exception):
-                await self.gw.store.append(tenant.id, session.id, [msg])
-        release()
-        with contextlib.suppress(Exception):
+        stats = turn.stats
+        with contextlib.suppress(Exception):  # the client may be gone
             await self.send({
                 "type": "done",
                 "finish_reason": finish,
@@ -343,7 +310,7 @@ class WSConnection:
         assert self.tenant is not None
         sid = self.session.id
         await self.gw.store.delete(self.tenant.id, sid)
-        await self.gw.release_pin(self.gw.engine_session_id(self.tenant, sid))
+        await self.gw.unpin_session(self.gw.engine_session_id(self.tenant, sid))
         self.session = None
         await self.send({"type": "session.closed", "id": sid})
 

@@ -1,72 +1,245 @@
-"""asyncio front of the engine: one background thread runs the step loop; the event loop only
-enqueues commands and receives outputs, so it never waits on the model.
+"""asyncio client of the engine process: ``AsyncEngine`` starts ``python -m engine.core``, sends
+it requests over ZeroMQ and hands each request's delta outputs to its consumer.
 
-Every mutation of engine state happens on the step thread (commands are closures it runs
-between steps); outputs cross back with ``call_soon_threadsafe``.
+The event loop does no model work: it encodes requests, decodes one ``StepOutputs`` message per
+engine step and routes its outputs. A consumer that falls behind gets the outputs that piled up
+merged into one (vLLM's output collector), so a slow consumer costs fewer, larger deltas and
+never holds the engine back.
+
+Chat prompts are rendered here, with the process's own tokenizer, against a mirror of the
+engine's session pins (every pin and unpin arrives with the step that made it). A stale mirror
+costs only cache reuse, never correctness: the engine matches prompts to its real pins.
+
+If the engine process dies, every open stream fails with ``EngineDeadError`` at once, later
+calls raise it, and ``on_death`` callbacks run.
 """
 
 import asyncio
+import itertools
 import logging
-import queue
-import threading
-import time
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine.chat import render_chat
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.info import EngineInfo
+from engine.ipc import (
+    AbortRequests,
+    AddRequest,
+    EngineReady,
+    EngineStartupFailed,
+    ReleaseSession,
+    Shutdown,
+    StepOutputs,
+    client_decoder,
+)
+from engine.loader import load_tokenizer
+from engine.outputs import RequestOutput, merge_outputs
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
 logger = logging.getLogger("engine.async")
-T = TypeVar("T")
 
-STATS_INTERVAL_S = 0.05  # while busy, the stats snapshot (O(blocks in use)) is this fresh
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+class EngineStartupError(RuntimeError):
+    """The engine process failed to start; the message is the engine's own error."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; nothing more can be generated."""
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running this request (the engine itself carries on)."""
+
+
+class _OutputStream:
+    """One request's outputs not yet taken by its consumer, merged into one while it is behind;
+    then an error, if the request failed."""
+
+    __slots__ = ("pending", "error", "ready")
+
+    def __init__(self) -> None:
+        self.pending: RequestOutput | None = None
+        self.error: Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        if self.pending is None:
+            self.pending = output
+        else:
+            merge_outputs(self.pending, output)
+        self.ready.set()
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        output, self.pending = self.pending, None
+        if output is None:
+            assert self.error is not None
+            raise self.error
+        if self.error is None:
+            self.ready.clear()
+        return output
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stats = self.engine.stats()
-        self._stats_at = time.monotonic()
+    def __init__(self, config: EngineConfig, log_level: str = "info") -> None:
+        self.config = config
+        self.log_level = log_level
+        self.info: EngineInfo | None = None
+        self.tokenizer: Any = None
+        self.dead: str | None = None  # why the engine process is gone, once it is
+        self.on_death: list[Callable[[str], None]] = []
+        self._stats: EngineStats | None = None
+        self._streams: dict[str, _OutputStream] = {}
+        self._calls: dict[int, asyncio.Future[bool]] = {}
+        self._call_ids = itertools.count()
+        self._pins: dict[str, list[int]] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = client_decoder()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine process and wait until it has loaded the model. Raises
+        ``EngineStartupError`` with the engine's own error if it cannot start."""
+        self._ipc_dir = tempfile.mkdtemp(prefix="chatgate-engine-")
+        inbox, outbox = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
+        self._sync_context = zmq.Context()
+        self._to_engine = self._sync_context.socket(zmq.PUSH)
+        self._to_engine.setsockopt(zmq.SNDHWM, 0)
+        self._to_engine.bind(inbox)
+        self._async_context = zmq.asyncio.Context()
+        self._from_engine = self._async_context.socket(zmq.PULL)
+        self._from_engine.setsockopt(zmq.RCVHWM, 0)
+        self._from_engine.bind(outbox)
+        parent_fd, self._parent_alive = os.pipe()  # the engine sees EOF when we are gone
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "engine.core",
+                "--config", msgspec.json.encode(self.config).decode(),
+                "--inbox", inbox, "--outbox", outbox, "--parent-fd", str(parent_fd),
+                "--log-level", self.log_level,
+                pass_fds=(parent_fd,),
+            )
+        finally:
+            os.close(parent_fd)
+        logger.info("engine process started (pid %d); loading %s", self._proc.pid,
+                    self.config.model)
+        exited = asyncio.create_task(self._proc.wait())
+        first = asyncio.ensure_future(self._from_engine.recv())
+        await asyncio.wait({exited, first}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            first.cancel()
+            await self._close()
+            raise EngineStartupError(f"the engine process exited with code {exited.result()} "
+                                     "before it was ready (its log above says why)")
+        message = self._decoder.decode(first.result())
+        if isinstance(message, EngineStartupFailed):
+            await self._stop_process(exited)
+            await self._close()
+            raise EngineStartupError(message.error)
+        assert isinstance(message, EngineReady)
+        self.info, self._stats = message.info, message.stats
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model,
+                                                 use_cache=self.config.use_weight_cache)
+        self._tasks = [asyncio.create_task(self._read_outputs(), name="engine-outputs"),
+                       asyncio.create_task(self._watch(exited), name="engine-watch")]
+
+    async def shutdown(self) -> None:
+        """Stop the engine process (in order; killed if it does not exit in time)."""
+        self._stopping = True
+        if self._proc is not None and self._proc.returncode is None:
+            self._send(Shutdown())
+            await self._stop_process(self._proc.wait())
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._close()
+
+    async def _stop_process(self, exited: Awaitable[int]) -> None:
+        """Wait for the engine process to exit; kill it if it takes too long."""
+        assert self._proc is not None
+        try:
+            await asyncio.wait_for(exited, SHUTDOWN_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("the engine process did not stop in %.0fs; killing it",
+                           SHUTDOWN_TIMEOUT_S)
+            self._proc.kill()
+            await self._proc.wait()
+
+    async def _close(self) -> None:
+        os.close(self._parent_alive)
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        self._sync_context.term()
+        self._async_context.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    async def _watch(self, exited: asyncio.Task[int]) -> None:
+        code = await exited
+        if self._stopping:
+            return
+        self.dead = f"the engine process exited unexpectedly with code {code}"
+        logger.error("%s; failing every open stream", self.dead)
+        error = EngineDeadError(self.dead)
+        for stream in self._streams.values():
+            stream.fail(error)
+        for call in self._calls.values():
+            if not call.done():
+                call.set_exception(error)
+        for callback in self.on_death:
+            callback(self.dead)
+
+    # -- what the engine told us -------------------------------------------------------------
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+    def pid(self) -> int:
+        assert self._proc is not None, "AsyncEngine.start() was not awaited"
+        return self._proc.pid
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        assert self.info is not None, "AsyncEngine.start() was not awaited"
+        return self.info.model_name
 
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
-        self._thread.start()
-
-    async def shutdown(self) -> None:
-        self._stopping.set()
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-
-    def render_chat(self, messages: list[dict], session_id: str | None = None) -> list[int]:
-        return self.engine.render_chat(messages, session_id)
+    @property
+    def max_model_len(self) -> int:
+        assert self.info is not None, "AsyncEngine.start() was not awaited"
+        return self.info.max_model_len
 
     def stats(self) -> EngineStats:
-        """A snapshot from the step thread: taken whenever it goes idle and at least every
-        ``STATS_INTERVAL_S`` while it steps."""
+        """The engine's latest snapshot (at most ``ipc.STATS_INTERVAL_S`` old while it steps,
+        current while it is idle)."""
+        assert self._stats is not None, "AsyncEngine.start() was not awaited"
         return self._stats
+
+    def render_chat(self, messages: list[dict], session_id: str | None = None) -> list[int]:
+        """Chat template + generation prompt as token ids, continuing the tokens the engine
+        has pinned under ``session_id`` (see ``engine.chat.render_chat``)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none")
+        pinned = self._pins.get(session_id) if session_id is not None else None
+        return render_chat(self.tokenizer, messages, pinned)
+
+    # -- requests ----------------------------------------------------------------------------
 
     async def generate(
         self,
@@ -75,107 +248,72 @@ class AsyncEngine:
         request_id: str,
         session_id: str | None = None,
         cache_salt: str | None = None,
-        prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs until the request finishes. Invalid input raises ``ValueError``
-        before anything is queued; leaving the iterator early aborts the request."""
-        self.engine.validate(prompt_token_ids, params)
+        """Stream the request's delta outputs until it finishes. Invalid input raises
+        ``ValueError`` before anything is sent; leaving the iterator early aborts the
+        request; ``EngineDeadError`` if the engine process dies meanwhile."""
+        self._check_alive()
+        assert self.info is not None
+        self.info.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._streams[request_id] = stream
-
-        def add() -> None:
-            try:
-                self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt,
-                                        session_id=session_id, cache_salt=cache_salt)
-            except ValueError as error:
-                self._deliver(request_id, error)
-
-        self._submit(add)
+        stream = self._streams[request_id] = _OutputStream()
         finished = False
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            self._send(AddRequest(request_id, prompt_token_ids, params, session_id, cache_salt))
+            while not finished:
+                output = await stream.get()
+                finished = output.finished
+                yield output
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._submit(lambda: self.engine.abort(request_id))
-
-    async def abort(self, request_id: str) -> None:
-        def run() -> None:
-            output = self.engine.abort(request_id)
-            if output is not None:
-                self._deliver(request_id, output)
-
-        await self._call(run)
+            del self._streams[request_id]
+            if not finished and self.dead is None and not self._stopping:
+                self._send(AbortRequests([request_id]))
 
     async def release_session(self, session_id: str) -> bool:
-        return await self._call(lambda: self.engine.release_session(session_id))
+        """Unpin the session's blocks; False if it had none pinned."""
+        self._check_alive()
+        call_id = next(self._call_ids)
+        call = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(ReleaseSession(call_id, session_id))
+            return await call
+        finally:
+            del self._calls[call_id]
 
-    # -- step thread -------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
 
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.put(command)
-        self._wake.set()
+    def _send(self, message: AddRequest | AbortRequests | ReleaseSession | Shutdown) -> None:
+        self._to_engine.send(self._encoder.encode(message), zmq.NOBLOCK, copy=False)
 
-    async def _call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the step thread and await its result."""
-        assert self._loop is not None, "AsyncEngine.start() was not awaited"
-        future: asyncio.Future[T] = self._loop.create_future()
-        loop = self._loop
+    async def _read_outputs(self) -> None:
+        while True:
+            data = await self._from_engine.recv(copy=False)
+            message = self._decoder.decode(data.buffer)
+            assert isinstance(message, StepOutputs)
+            self._route(message)
 
-        def run() -> None:
-            try:
-                result = fn()
-            except Exception as error:  # noqa: BLE001 - handed to the awaiting caller
-                loop.call_soon_threadsafe(future.set_exception, error)
+    def _route(self, message: StepOutputs) -> None:
+        for session_id, token_ids in message.pin_changes.items():
+            if token_ids is None:
+                self._pins.pop(session_id, None)
             else:
-                loop.call_soon_threadsafe(future.set_result, result)
-
-        self._submit(run)
-        return await future
-
-    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(stream.put_nowait, item)
-
-    def _run(self) -> None:
-        while not self._stopping.is_set():
-            while True:
-                try:
-                    self._commands.get_nowait()()
-                except queue.Empty:
-                    break
-            if self.engine.has_unfinished():
-                try:
-                    outputs = self.engine.step()
-                except Exception as error:
-                    logger.exception("engine step failed; aborting the running requests")
-                    self._fail_all(error)
-                    outputs = []
-                for output in outputs:
-                    self._deliver(output.request_id, output)
-                if time.monotonic() - self._stats_at >= STATS_INTERVAL_S:
-                    self._snapshot()
-            else:
-                self._snapshot()
-                self._wake.wait()
-                self._wake.clear()
-
-    def _snapshot(self) -> None:
-        self._stats = self.engine.stats()
-        self._stats_at = time.monotonic()
-
-    def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
-            self._deliver(request_id, RuntimeError(f"engine step failed: {error}"))
+                self._pins[session_id] = token_ids
+        streams = self._streams
+        for output in message.outputs:
+            stream = streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+        for failed in message.failed:
+            stream = streams.get(failed.request_id)
+            if stream is not None:
+                stream.fail(ValueError(failed.error) if failed.invalid
+                            else EngineStepError(failed.error))
+        for released in message.released:
+            call = self._calls.get(released.call_id)
+            if call is not None and not call.done():
+                call.set_result(released.released)
+        if message.stats is not None:
+            self._stats = message.stats

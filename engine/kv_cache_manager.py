@@ -40,11 +40,12 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool,
         pin_budget_blocks: int,
+        track_pin_changes: bool = False,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.sessions = SessionPins(self.pool, pin_budget_blocks)
+        self.sessions = SessionPins(self.pool, pin_budget_blocks, track_pin_changes)
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -191,11 +192,15 @@ class KVCacheManager:
 
     def stored_tokens(self, seqs: list[Sequence]) -> int:
         """Distinct token slots holding KV across running sequences and pins."""
-        fill: dict[int, int] = {}
+        bs = self.block_size
+        full: set[int] = set()
+        partial: dict[int, int] = {}  # block id -> most tokens any holder has in it
         holders = [(s.block_table, s.num_computed_tokens) for s in seqs]
         holders += [(p.block_ids, len(p.token_ids)) for p in self.sessions.pins.values()]
         for table, computed in holders:
-            for i, block_id in enumerate(table):
-                stored = max(0, min(self.block_size, computed - i * self.block_size))
-                fill[block_id] = max(fill.get(block_id, 0), stored)
-        return sum(fill.values())
+            num_full, rest = divmod(computed, bs)
+            full.update(table[:num_full])
+            if rest:
+                block_id = table[num_full]
+                partial[block_id] = max(partial.get(block_id, 0), rest)
+        return len(full) * bs + sum(n for b, n in partial.items() if b not in full)

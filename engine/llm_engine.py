@@ -1,7 +1,7 @@
 """The synchronous engine core: requests in, one scheduled step at a time, outputs out.
 
-Not thread-safe: exactly one thread (the caller of ``LLM`` or ``AsyncEngine``'s step thread)
-drives it.
+Not thread-safe: exactly one thread drives it (the caller of ``LLM``, or the loop of the engine
+process, ``engine.core``).
 """
 
 import logging
@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.chat import render_chat
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.info import EngineInfo
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model
 from engine.model import LlamaModel
@@ -33,14 +35,17 @@ class _Request:
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer | None]
     pending_forks: list[Sequence]
-    final_only: bool  # no output until it finishes (offline use, like vLLM's FINAL_ONLY)
-    # per sample, how much text / how many tokens earlier outputs already carried
-    sent_chars: list[int] = field(init=False)
+    final_only: bool  # one output when it finishes, else deltas (see ``engine.outputs``)
+    # per sample: output tokens already reported, text released but not yet reported, and
+    # whether its finish was reported (delta outputs)
     sent_tokens: list[int] = field(init=False)
+    unsent_text: list[str] = field(init=False)
+    finish_sent: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sent_chars = [0] * len(self.seqs)
         self.sent_tokens = [0] * len(self.seqs)
+        self.unsent_text = [""] * len(self.seqs)
+        self.finish_sent = [False] * len(self.seqs)
 
     @property
     def finished(self) -> bool:
@@ -48,7 +53,10 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """``track_pin_changes``: record session pins and unpins for :meth:`take_pin_changes` (the
+    engine process mirrors them to the gateway, which renders prompts against them)."""
+
+    def __init__(self, config: EngineConfig, track_pin_changes: bool = False) -> None:
         self.config = config
         device, dtype = config.torch_device, config.torch_dtype
         torch.manual_seed(config.seed)
@@ -62,19 +70,25 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings {limit}")
         max_model_len = config.max_model_len or limit
-        model = LlamaModel(loaded.config, loaded.state_dict, max_model_len)
+        model = LlamaModel(loaded.config, loaded.state_dict, max_model_len,
+                           vocab_limit=loaded.vocab_limit)
         self.runner = ModelRunner(model, config, max_model_len)
         self.max_model_len = min(max_model_len, self.runner.num_blocks * config.block_size)
         self.vocab_size = model.embed.shape[0]
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-            int(config.pin_budget_fraction * self.runner.num_blocks),
+            int(config.pin_budget_fraction * self.runner.num_blocks), track_pin_changes,
         )
         admission_batch = config.admission_batch or (
             max(1, config.max_num_seqs // 16) if self.runner.graph_sizes else 1)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    admission_batch)
         self.eos_token_ids = self._eos_token_ids()
+        self.info = EngineInfo(
+            model_name=self.model_name, max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None,
+            block_size=config.block_size, num_blocks=self.runner.num_blocks,
+        )
         self.requests: dict[str, _Request] = {}
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
@@ -93,16 +107,7 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the parameter and the limit; changes nothing."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt must not be empty")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, max_model_len is {self.max_model_len} "
-                             "(prompt plus at least one generated token)")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none")
+        self.info.validate(prompt_token_ids, params)
 
     def add_request(
         self,
@@ -114,9 +119,9 @@ class LLMEngine:
         cache_salt: str | None = None,
         final_only: bool = False,
     ) -> None:
-        """Queue a request. Each step that gives it tokens returns its cumulative output and
-        the deltas since the last one; with ``final_only`` only the step that finishes it does
-        (nothing is lost: the final output holds every token and the whole text)."""
+        """Queue a request. Each step that gives it tokens (or finishes it) returns a delta
+        output for it; with ``final_only`` only the step that finishes it returns an output,
+        holding every token and the whole text (see ``engine.outputs``)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
@@ -139,7 +144,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish every sample of the request with reason "abort" and forget the request; its
-        blocks are released (or pinned to its session) at once. Returns its final output."""
+        blocks are released (or pinned to its session) at once. Returns its last output."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -151,6 +156,11 @@ class LLMEngine:
 
     def release_session(self, session_id: str) -> bool:
         return self.kv.sessions.release(session_id)
+
+    def take_pin_changes(self) -> dict[str, list[int] | None]:
+        """Sessions pinned (their token ids) or unpinned (None) since the last call; empty
+        unless the engine was made with ``track_pin_changes``."""
+        return self.kv.sessions.take_changes()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -224,7 +234,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token_id
         else:
             if detok is not None:
-                detok.append(token_id)
+                request.unsent_text[seq.index] += detok.append(token_id)
             if detok is not None and detok.stop_reason is not None:
                 seq.finish_reason, seq.stop_reason = "stop", detok.stop_reason
             elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
@@ -233,70 +243,72 @@ class LLMEngine:
                 seq.finish_reason = "length"
         if seq.finish_reason is not None:
             if detok is not None and detok.stop_reason is None:
-                detok.flush()
+                request.unsent_text[seq.index] += detok.flush()
             self.scheduler.finish(seq)
 
     def _output(self, request: _Request) -> RequestOutput:
-        """Cumulative outputs plus the deltas since the previous output of this request."""
+        if request.final_only:
+            return self._final_output(request)
         completions = []
-        for seq, detok in zip(request.seqs, request.detokenizers, strict=True):
-            text = detok.text if detok is not None else ""
-            output_ids = seq.output_token_ids
+        for seq in request.seqs:
             i = seq.index
+            sent = request.sent_tokens[i]
+            new = seq.num_output_tokens - sent
+            finishing = seq.finish_reason is not None and not request.finish_sent[i]
+            if not new and not finishing:
+                continue
+            start = seq.num_prompt_tokens + sent
             completions.append(CompletionOutput(
                 index=i,
-                text=text,
-                token_ids=output_ids,
+                text=request.unsent_text[i],
+                token_ids=seq.token_ids[start:],
                 finish_reason=seq.finish_reason,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                logprobs=seq.logprobs[sent:] if seq.logprobs is not None else None,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 stop_reason=seq.stop_reason,
-                delta_text=text[request.sent_chars[i]:],
-                delta_token_ids=output_ids[request.sent_tokens[i]:],
             ))
-            request.sent_chars[i], request.sent_tokens[i] = len(text), len(output_ids)
+            request.sent_tokens[i] += new
+            request.unsent_text[i] = ""
+            request.finish_sent[i] = seq.finish_reason is not None
         return RequestOutput(
             request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
             num_cached_tokens=request.seqs[0].num_cached_tokens,
             finished=request.finished,
         )
 
+    def _final_output(self, request: _Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=detok.text if detok is not None else "",
+                token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason,
+                logprobs=seq.logprobs,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                stop_reason=seq.stop_reason,
+            )
+            for seq, detok in zip(request.seqs, request.detokenizers, strict=True)
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            outputs=completions,
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
+            finished=request.finished,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+        )
+
     # -- chat --------------------------------------------------------------------------------
 
     def render_chat(self, messages: list[dict], session_id: str | None = None) -> list[int]:
-        """Chat template + generation prompt as token ids. With a pinned ``session_id``, the
-        longest run of pinned tokens whose text prefixes the rendering is kept as it is and
-        only the rest is tokenized, so the turn continues the pinned KV exactly (a next turn
-        keeps everything; a regenerate or edit keeps up to the divergence).
-
-        Safe to call from another thread: a pin's token list is never mutated once made."""
+        """Chat template + generation prompt as token ids, continuing the tokens pinned under
+        ``session_id`` where they still fit (see ``engine.chat.render_chat``)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
         pinned = self.kv.sessions.get(session_id) if session_id is not None else None
-        kept = self._pinned_text_prefix(pinned.token_ids, text) if pinned is not None else []
-        kept_text = self.tokenizer.decode(kept, skip_special_tokens=False)
-        return kept + self.tokenizer.encode(text[len(kept_text):], add_special_tokens=False)
-
-    def _pinned_text_prefix(self, token_ids: list[int], text: str) -> list[int]:
-        """The longest ``token_ids[:k]`` whose decoded text is a prefix of ``text``."""
-        def decoded(k: int) -> str:
-            return self.tokenizer.decode(token_ids[:k], skip_special_tokens=False)
-
-        if text.startswith(decoded(len(token_ids))):
-            return token_ids
-        lo, hi = 0, len(token_ids)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if text.startswith(decoded(mid)):
-                lo = mid
-            else:
-                hi = mid - 1
-        return token_ids[:lo]
+        return render_chat(self.tokenizer, messages,
+                           pinned.token_ids if pinned is not None else None)
 
     # -- stats -------------------------------------------------------------------------------
 

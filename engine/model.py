@@ -56,8 +56,12 @@ class LlamaModel:
     """Weights are the loader's tensors (HF names), used in place: nothing is copied."""
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor],
-                 max_positions: int, fuse: bool | None = None) -> None:
+                 max_positions: int, fuse: bool | None = None,
+                 vocab_limit: int | None = None) -> None:
         self.config = config
+        # ids at or past ``vocab_limit`` get logit -inf (never sampled): a dummy model that
+        # borrows a smaller tokenizer only emits ids that tokenizer can decode
+        self.vocab_limit = vocab_limit
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -170,4 +174,7 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype, as transformers computes them; the sampler upcasts
         only where it needs float32 (softmax, logprobs): a greedy row is its argmax."""
-        return F.linear(hidden, self.lm_head)
+        logits = F.linear(hidden, self.lm_head)
+        if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
+            logits[:, self.vocab_limit:] = float("-inf")
+        return logits

@@ -1,21 +1,29 @@
-"""What the engine hands back: vLLM's ``RequestOutput`` / ``CompletionOutput`` shapes."""
+"""What the engine hands back: vLLM's ``RequestOutput`` / ``CompletionOutput`` shapes, as msgspec
+structs so that the engine process can send them to the gateway without conversion.
 
-from dataclasses import dataclass, field
+A request's outputs come in one of two kinds (vLLM's ``RequestOutputKind``):
+
+- **delta** (streaming): each output holds only what is new since the previous one: the new
+  token ids, the newly released text, the new logprobs. Concatenating a request's deltas gives
+  its whole output. Only samples with something new (tokens, or their finish) are included.
+- **final only** (offline ``LLM``): one output when the request finishes, with every sample's
+  whole text, token ids and logprobs, and the prompt.
+"""
+
+import msgspec
 
 
-@dataclass
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     """Log-probability of the sampled token and the ``k`` most likely alternatives."""
 
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: list[tuple[int, float]] = []
 
 
-@dataclass
-class CompletionOutput:
-    """One sample of a request. In streaming outputs ``text``/``token_ids`` are cumulative and
-    ``delta_text``/``delta_token_ids`` hold what is new since the previous output."""
+class CompletionOutput(msgspec.Struct, array_like=True):
+    """One sample of a request (all of it, or what is new: see the module docstring).
+    ``cumulative_logprob`` is always the running total over the whole sample."""
 
     index: int
     text: str
@@ -24,19 +32,37 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-@dataclass
-class RequestOutput:
+class RequestOutput(msgspec.Struct, array_like=True):
+    """``finished``: every sample has finished. ``prompt``/``prompt_token_ids`` are set on
+    final-only outputs (delta outputs leave them None: the caller sent the prompt)."""
+
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+def merge_outputs(into: RequestOutput, new: RequestOutput) -> None:
+    """Append delta ``new`` to delta ``into`` (same request, ``new`` later)."""
+    samples = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = samples.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            continue
+        old.text += c.text
+        old.token_ids += c.token_ids
+        if c.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+    into.num_cached_tokens = new.num_cached_tokens
+    into.finished = new.finished

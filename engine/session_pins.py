@@ -23,11 +23,12 @@ class PinnedSession:
 
 
 class SessionPins:
-    def __init__(self, pool: BlockPool, budget_blocks: int) -> None:
+    def __init__(self, pool: BlockPool, budget_blocks: int, track_changes: bool = False) -> None:
         self.pool = pool
         self.budget_blocks = budget_blocks
         self.pins: OrderedDict[str, PinnedSession] = OrderedDict()
         self._pin_counts: Counter[int] = Counter()
+        self._changes: dict[str, list[int] | None] | None = {} if track_changes else None
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -43,6 +44,8 @@ class SessionPins:
         self.release(pinned.session_id)
         self.pins[pinned.session_id] = pinned
         self._pin_counts.update(pinned.block_ids)
+        if self._changes is not None:
+            self._changes[pinned.session_id] = pinned.token_ids
         while self.num_pinned_blocks > self.budget_blocks and self.pins:
             self.release_lru()
 
@@ -51,7 +54,17 @@ class SessionPins:
         pinned = self.pins.pop(session_id, None)
         if pinned is not None:
             self._forget(pinned)
+            if self._changes is not None:
+                self._changes[session_id] = None
         return pinned
+
+    def take_changes(self) -> dict[str, list[int] | None]:
+        """Each session pinned (its token ids) or unpinned (None) since the last call, latest
+        state only; empty unless tracking."""
+        if not self._changes:
+            return {}
+        changes, self._changes = self._changes, {}
+        return changes
 
     def release(self, session_id: str) -> bool:
         pinned = self.take(session_id)

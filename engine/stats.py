@@ -1,10 +1,9 @@
 """A snapshot of the engine's counters and gauges (what ``stats()`` and /metrics report)."""
 
-from dataclasses import dataclass
+import msgspec
 
 
-@dataclass(frozen=True)
-class EngineStats:
+class EngineStats(msgspec.Struct, frozen=True):
     num_requests_running: int
     num_requests_waiting: int
     num_blocks_total: int

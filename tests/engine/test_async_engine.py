@@ -1,67 +1,102 @@
-"""Acceptance 6: AsyncEngine streams incrementally to many consumers in one event loop,
-cancelling a consumer aborts its request within one step, and the loop is never blocked."""
+"""``AsyncEngine`` runs the engine in its own process: many consumers stream from it in one
+event loop and get exactly the offline engine's tokens, a cancelled consumer's request is gone
+within one engine step, a slow consumer gets merged deltas, and the process starts, fails,
+dies and stops cleanly."""
 
 import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
+import pytest_asyncio
 
-from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine import (
+    LLM,
+    AsyncEngine,
+    EngineConfig,
+    EngineDeadError,
+    EngineStartupError,
+    SamplingParams,
+)
 
-pytestmark = pytest.mark.asyncio
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CONFIG = EngineConfig(model="smollm2", num_kv_blocks=512, max_model_len=1024)
 
 
-@pytest.fixture(scope="module")
-def async_engine() -> AsyncEngine:
-    return AsyncEngine(EngineConfig(model="smollm2", num_kv_blocks=512))
+def _alive(pid: int) -> bool:
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
-async def test_concurrent_streams_cancel_and_responsiveness(async_engine: AsyncEngine) -> None:
-    engine = async_engine
+async def _wait_gone(pid: int, timeout: float) -> float:
+    start = time.monotonic()
+    while _alive(pid):
+        assert time.monotonic() - start < timeout, f"process {pid} still alive"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine():
+    engine = AsyncEngine(CONFIG)
     await engine.start()
-    try:
-        tokenizer = engine.tokenizer
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0)
-                ticks += 1
-                await asyncio.sleep(0.001)
-
-        async def consume(i: int) -> list[int]:
-            prompt = tokenizer.encode(f"Stream number {i}: tell me something.")
-            seen = []
-            async for out in engine.generate(prompt, params, request_id=f"req-{i}"):
-                seen.append(len(out.outputs[0].token_ids))
-            return seen
-
-        ticking = asyncio.create_task(ticker())
-        steps_before = engine.engine.num_decode_tokens
-        results = await asyncio.gather(*(consume(i) for i in range(32)))
-        ticking.cancel()
-        for seen in results:
-            assert seen[-1] == 12
-            assert len(seen) > 1 and seen == sorted(seen)  # incremental, cumulative
-        # the event loop kept running while the step thread worked
-        decode_steps = (engine.engine.num_decode_tokens - steps_before) / 32
-        assert ticks > decode_steps
-
-        # cancel one consumer mid-stream: its blocks return within one step
-        await _cancel_midstream(engine, tokenizer)
-    finally:
-        await engine.shutdown()
+    yield engine
+    await engine.shutdown()
 
 
-async def _cancel_midstream(engine: AsyncEngine, tokenizer) -> None:
-    long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
-    prompt = tokenizer.encode("Write a very long story about a lighthouse keeper.")
+async def _collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams,
+                   request_id: str, **kwargs) -> tuple[list[int], str, list]:
+    tokens, text, outputs = [], "", []
+    async for out in engine.generate(prompt, params, request_id, **kwargs):
+        outputs.append(out)
+        tokens += out.outputs[0].token_ids
+        text += out.outputs[0].text
+    return tokens, text, outputs
+
+
+async def test_concurrent_streams_equal_the_offline_engine(engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [engine.tokenizer.encode(f"Stream number {i}: tell me something.")
+               for i in range(32)]
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    ticking = asyncio.create_task(ticker())
+    results = await asyncio.gather(*(_collect(engine, p, params, f"req-{i}")
+                                     for i, p in enumerate(prompts)))
+    ticking.cancel()
+    offline = LLM(model=CONFIG.model, num_kv_blocks=512, max_model_len=1024)
+    expected = offline.generate(prompts, params)
+    for (tokens, text, outputs), want in zip(results, expected, strict=True):
+        assert tokens == want.outputs[0].token_ids
+        assert text == want.outputs[0].text
+        assert len(outputs) > 1 and outputs[-1].finished  # streamed, not all at the end
+    assert ticks > 10  # the event loop kept running while the engine process worked
+
+
+async def test_cancelling_a_consumer_frees_its_blocks_within_one_step(
+        engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    prompt = engine.tokenizer.encode("Write a very long story about a lighthouse keeper.")
     started = asyncio.Event()
 
     async def consume() -> None:
-        async for out in engine.generate(prompt, long, request_id="to-cancel"):
-            if len(out.outputs[0].token_ids) >= 3:
+        async for out in engine.generate(prompt, params, "to-cancel"):
+            if out.outputs[0].token_ids:
                 started.set()
 
     task = asyncio.create_task(consume())
@@ -71,16 +106,119 @@ async def _cancel_midstream(engine: AsyncEngine, tokenizer) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    step_count = engine.engine.num_decode_tokens
+    decoded = engine.stats().num_decode_tokens_computed
     while engine.stats().num_blocks_used > 0:
         await asyncio.sleep(0.005)
-    assert engine.engine.num_decode_tokens - step_count <= 1  # within one engine step
+    assert engine.stats().num_decode_tokens_computed - decoded <= 2  # the step in flight
     assert engine.stats().num_requests_running == 0
 
 
-async def test_invalid_input_raises_before_queueing(async_engine: AsyncEngine) -> None:
-    engine = async_engine
+async def test_a_slow_consumer_gets_merged_deltas(engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompt = engine.tokenizer.encode("Count slowly from one to forty.")
+    fast_tokens, fast_text, _ = await _collect(engine, prompt, params, "fast")
+    tokens, text, outputs = [], "", []
+    async for out in engine.generate(prompt, params, "slow"):
+        outputs.append(out)
+        tokens += out.outputs[0].token_ids
+        text += out.outputs[0].text
+        await asyncio.sleep(0.3)  # far slower than a step
+    assert (tokens, text) == (fast_tokens, fast_text)
+    assert len(outputs) < 20 and max(len(o.outputs[0].token_ids) for o in outputs) > 1
+
+
+async def test_session_turns_continue_the_pinned_tokens(engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=16)
+    chat = [{"role": "user", "content": "Name a fruit."}]
+    prompt = engine.render_chat(chat, "fruit")
+    _, answer, outputs = await _collect(engine, prompt, params, "turn-1", session_id="fruit")
+    assert outputs[-1].finished
+    chat += [{"role": "assistant", "content": answer},
+             {"role": "user", "content": "And a vegetable?"}]
+    second = engine.render_chat(chat, "fruit")
+    _, _, outputs = await _collect(engine, second, params, "turn-2", session_id="fruit")
+    # the first turn's prompt and answer (but its last token, which has no KV yet) are reused
+    assert outputs[0].num_cached_tokens >= len(prompt) + 1
+    assert await engine.release_session("fruit") is True
+    assert await engine.release_session("fruit") is False
+
+
+async def test_invalid_input_raises_before_queueing(engine: AsyncEngine) -> None:
     with pytest.raises(ValueError, match="prompt must not be empty"):
         async for _ in engine.generate([], SamplingParams(), request_id="bad"):
             pass
+    with pytest.raises(ValueError, match="max_model_len"):
+        async for _ in engine.generate([1] * 2000, SamplingParams(), request_id="long"):
+            pass
     assert engine.stats().num_blocks_used == 0
+
+
+async def test_a_bad_model_fails_startup_with_the_engine_error() -> None:
+    engine = AsyncEngine(EngineConfig(model="/no/such/model"))
+    with pytest.raises(EngineStartupError, match="is not a known model name"):
+        await engine.start()
+
+
+async def test_a_killed_engine_fails_open_streams_at_once_and_later_calls() -> None:
+    engine = AsyncEngine(CONFIG)
+    await engine.start()
+    deaths: list[str] = []
+    engine.on_death.append(deaths.append)
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    prompt = engine.tokenizer.encode("Tell me a long story.")
+    first = asyncio.Event()
+    killed_at = 0.0
+
+    async def consume() -> None:
+        async for _ in engine.generate(prompt, params, "doomed"):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await first.wait()
+    pid = engine.pid
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError, match="code -9"):
+        await task
+    assert time.monotonic() - killed_at < 1.0
+    assert deaths and "code -9" in deaths[0]
+    with pytest.raises(EngineDeadError):
+        async for _ in engine.generate(prompt, params, "after"):
+            pass
+    await engine.shutdown()
+
+
+async def test_shutdown_stops_the_engine_process() -> None:
+    engine = AsyncEngine(CONFIG)
+    await engine.start()
+    pid = engine.pid
+    assert _alive(pid)
+    await engine.shutdown()
+    assert not _alive(pid)
+
+
+async def test_the_engine_exits_when_its_parent_is_killed(tmp_path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import asyncio, sys
+        from engine import AsyncEngine, EngineConfig
+
+        async def main():
+            engine = AsyncEngine(EngineConfig(model="smollm2", num_kv_blocks=64))
+            await engine.start()
+            print(engine.pid, flush=True)
+            await asyncio.sleep(3600)
+
+        asyncio.run(main())
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        pid = int(await asyncio.to_thread(parent.stdout.readline))
+        assert _alive(pid)
+        parent.kill()
+        parent.wait()
+        await _wait_gone(pid, timeout=5.0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            parent.kill()

@@ -8,7 +8,7 @@ PROMPT = [[300 + (i * 7) % 900 for i in range(75)]]  # 4 full blocks + a partial
 
 def _peak_blocks(llm: LLM, params: SamplingParams) -> tuple[int, list[list[int]]]:
     engine = llm.engine
-    engine.add_request("r", PROMPT[0], params)
+    engine.add_request("r", PROMPT[0], params, final_only=True)
     peak = 0
     outputs = None
     while engine.has_unfinished():

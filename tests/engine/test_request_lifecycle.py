@@ -14,7 +14,7 @@ def _run(llm: LLM) -> dict[str, list]:
     return outputs
 
 
-def test_final_only_request_reports_once_with_everything() -> None:
+def test_streamed_request_reports_deltas_and_final_only_once_with_everything() -> None:
     llm = LLM("smollm2", max_model_len=256, num_kv_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm.engine.add_request("streamed", PROMPT, params)
@@ -22,11 +22,12 @@ def test_final_only_request_reports_once_with_everything() -> None:
     outputs = _run(llm)
     streamed, (final,) = outputs["streamed"], outputs["final"]
     assert len(streamed) == 12 and final.finished
-    last = streamed[-1].outputs[0]
-    assert final.outputs[0].token_ids == last.token_ids
-    assert final.outputs[0].text == last.text != ""
-    assert final.outputs[0].delta_token_ids == last.token_ids  # nothing was sent before
-    assert "".join(o.outputs[0].delta_text for o in streamed) == last.text
+    assert [len(o.outputs[0].token_ids) for o in streamed] == [1] * 12  # one new token a step
+    assert [o.finished for o in streamed] == [False] * 11 + [True]
+    assert all(o.prompt_token_ids is None for o in streamed)
+    assert final.prompt_token_ids == PROMPT
+    assert final.outputs[0].token_ids == [t for o in streamed for t in o.outputs[0].token_ids]
+    assert final.outputs[0].text == "".join(o.outputs[0].text for o in streamed) != ""
     assert llm.engine.requests == {}
 
 
@@ -34,13 +35,12 @@ def test_abort_forgets_the_request_and_frees_its_blocks() -> None:
     llm = LLM("smollm2", max_model_len=256, num_kv_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     llm.engine.add_request("r", PROMPT, params)
-    llm.engine.step()
-    llm.engine.step()
+    assert [len(o.outputs[0].token_ids) for _ in range(2) for o in llm.engine.step()] == [1, 1]
     assert llm.stats().num_blocks_used > 0
     aborted = llm.engine.abort("r")
     assert aborted is not None and aborted.finished
     assert aborted.outputs[0].finish_reason == "abort"
-    assert len(aborted.outputs[0].token_ids) == 2
+    assert aborted.outputs[0].token_ids == []  # both tokens were reported by their steps
     assert "r" not in llm.engine.requests and not llm.engine.has_unfinished()
     assert llm.stats().num_blocks_used == 0
     assert llm.engine.abort("r") is None

@@ -1,0 +1,220 @@
+"""``Turn``: one chat turn, owned from start to end for the SSE and the WebSocket handlers alike.
+
+The steps, in order: :meth:`Turn.prepare` renders the chat template (continuing the session's
+pinned tokens), checks the prompt against the context window and builds the sampling params;
+:meth:`Turn.start` admits the turn under the tenant's limits and locks its session;
+:meth:`Turn.stream` streams the engine's deltas and, for a session turn, stores the turn before
+it yields the last one; :meth:`Turn.release` gives back the tenant's stream slot and the session
+lock, exactly once. Every failure is an ``APIError``, so the handlers only encode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from chatgate.errors import APIError
+from chatgate.service import Gateway, engine_unavailable
+from chatgate.tenants import Tenant
+from engine import EngineDeadError, EngineStepError, RequestOutput, SamplingParams
+
+STORE_TIMEOUT_S = 5.0
+
+
+@dataclass
+class TurnStats:
+    """What one finished (or cancelled) turn cost."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    started: float = field(default_factory=time.perf_counter)
+    ended: float | None = None
+    first_token_at: float | None = None
+
+    def tokens_per_s(self) -> float:
+        if self.first_token_at is None or self.ended is None or self.completion_tokens < 2:
+            return 0.0
+        dt = self.ended - self.first_token_at
+        return (self.completion_tokens - 1) / dt if dt > 0 else 0.0
+
+    def usage(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def sampling_params(**kwargs: Any) -> SamplingParams:
+    """``SamplingParams`` from OpenAI-style values (None: the default); its ``ValueError``
+    (which names the parameter) becomes a 400."""
+    top_k = kwargs.pop("top_k", None)
+    kw = {k: v for k, v in kwargs.items() if v is not None}
+    kw["top_k"] = 0 if top_k is None or top_k < 0 else top_k
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        param = str(e).split(" ", 1)[0] if str(e) else None
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
+
+
+def split_history(messages: list[dict[str, str]]) -> tuple[str | None, list[dict[str, str]]]:
+    """Leading system messages become the session's system prompt; the rest its history."""
+    system: list[str] = []
+    i = 0
+    while i < len(messages) and messages[i]["role"] == "system":
+        system.append(messages[i]["content"])
+        i += 1
+    return ("\n\n".join(system) or None), [dict(m) for m in messages[i:]]
+
+
+def store_unavailable(error: BaseException) -> APIError:
+    return APIError(503, f"The session store is unavailable: {error or type(error).__name__}",
+                    code="store_unavailable")
+
+
+class Turn:
+    """``messages``: the whole conversation to answer (system prompt first). ``session_id``:
+    the client's session id, or None for a turn that keeps nothing."""
+
+    def __init__(self, gw: Gateway, tenant: Tenant, messages: list[dict[str, str]], *,
+                 session_id: str | None, transport: str) -> None:
+        self.gw = gw
+        self.tenant = tenant
+        self.messages = messages
+        self.session_id = session_id
+        self.transport = transport
+        self.engine_session_id = (gw.tenants.engine_session_id(tenant, session_id)
+                                  if session_id is not None else None)
+        self.stats = TurnStats()
+        self.answer = ""  # the text of sample 0 so far
+        self.prompt_ids: list[int] = []
+        self.params: SamplingParams | None = None
+        self._holds = False  # the tenant's stream slot and the session lock
+
+    def prepare(self, *, max_tokens: int | None, clamp_max_tokens: bool,
+                **sampling: Any) -> None:
+        """Render, check and build the sampling params (400 on bad input); holds nothing.
+        ``clamp_max_tokens``: cut ``max_tokens`` to the room left instead of refusing it."""
+        try:
+            self.prompt_ids = self.gw.engine.render_chat(self.messages, self.engine_session_id)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        max_tokens = self.gw.check_prompt(self.prompt_ids, max_tokens, clamp=clamp_max_tokens)
+        self.params = sampling_params(max_tokens=max_tokens, **sampling)
+
+    async def start(self) -> None:
+        """Admit the turn under the tenant's limits (429) and lock its session (409); a session
+        turn also needs a reachable store (503), since it will be stored. On error nothing is
+        held."""
+        gw = self.gw
+        gw.check_engine()
+        gw.admit(self.tenant)
+        self._holds = True
+        if self.engine_session_id is None:
+            return
+        try:
+            gw.lock_session(self.engine_session_id)
+        except APIError:
+            gw.limiter.release(self.tenant, 0)
+            self._holds = False
+            raise
+        try:
+            await asyncio.wait_for(gw.store.ping(), STORE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - any store failure is a 503
+            self.release()
+            raise store_unavailable(e) from None
+
+    def release(self) -> None:
+        """Give back the tenant's stream slot (charging the tokens used) and the session
+        lock; only the first call does anything."""
+        if not self._holds:
+            return
+        self._holds = False
+        self.gw.limiter.release(self.tenant, self.stats.prompt_tokens
+                                + self.stats.completion_tokens)
+        if self.engine_session_id is not None:
+            self.gw.unlock_session(self.engine_session_id)
+
+    async def store(self) -> None:
+        """Save the conversation and this turn's answer (sample 0, so far) as the session's
+        history; 503 if the store fails."""
+        assert self.session_id is not None
+        system, history = split_history(self.messages)
+        history.append({"role": "assistant", "content": self.answer})
+        try:
+            await asyncio.wait_for(
+                self.gw.store.replace(self.tenant.id, self.session_id, system, history),
+                STORE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - any store failure is a 503
+            raise store_unavailable(e) from None
+
+    async def stream(self) -> AsyncIterator[RequestOutput]:
+        """The engine's delta outputs (merged while the caller is behind). A session turn is
+        stored before the last output is yielded, so whatever the caller sends after it is
+        true; if storing fails, a 503 ``APIError`` comes instead. Leaving early aborts the
+        engine request at once."""
+        assert self.params is not None, "Turn.prepare() was not called"
+        gw, stats = self.gw, self.stats
+        metrics, model, transport = gw.metrics, gw.model_name, self.transport
+        stats.prompt_tokens = len(self.prompt_ids)
+        finish_reasons: set[str] = set()
+        first, finished = True, False
+        last_token_at = 0.0
+        metrics.active_streams.labels(model, transport).inc()
+        outputs = gw.engine.generate(self.prompt_ids, self.params,
+                                     f"{transport}-{uuid.uuid4().hex}",
+                                     session_id=self.engine_session_id,
+                                     cache_salt=gw.tenants.cache_salt(self.tenant))
+        try:
+            async for out in outputs:
+                now = time.perf_counter()
+                if first:
+                    first = False
+                    stats.cached_tokens = out.num_cached_tokens
+                    metrics.observe_prompt(stats.prompt_tokens, stats.cached_tokens)
+                new = 0
+                for c in out.outputs:
+                    new += len(c.token_ids)
+                    if c.index == 0:
+                        self.answer += c.text
+                    if c.finish_reason is not None:
+                        finish_reasons.add(c.finish_reason)
+                if new:
+                    stats.completion_tokens += new
+                    if stats.first_token_at is None:
+                        stats.first_token_at = now
+                        stats.ttft_s = now - stats.started
+                        metrics.ttft.labels(model).observe(stats.ttft_s)
+                    else:
+                        metrics.observe_itl(now - last_token_at, new)
+                    last_token_at = now
+                    metrics.generation_tokens.labels(model).inc(new)
+                if out.finished and self.session_id is not None:
+                    await self.store()
+                finished = out.finished
+                yield out
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+        except EngineStepError as e:
+            raise APIError(500, f"The engine failed while generating: {e}",
+                           code="engine_error") from None
+        except EngineDeadError as e:
+            raise engine_unavailable(str(e)) from None
+        finally:
+            await outputs.aclose()  # aborts the engine request if it has not finished
+            stats.ended = time.perf_counter()
+            metrics.active_streams.labels(model, transport).dec()
+            if finished:
+                metrics.observe_finish(finish_reasons, stats.ended - stats.started)
+            else:
+                metrics.observe_finish({"abort"}, None)
+            if self.engine_session_id is not None:
+                gw.touch_session(self.engine_session_id)

@@ -1,0 +1,178 @@
+"""The engine process: one ``LLMEngine`` and the loop that drives it while serving.
+
+Started by ``engine.async_engine.AsyncEngine`` as ``python -m engine.core`` (on CPU and GPU
+alike), so the model's step loop never shares a GIL with the gateway's event loop. Between two
+steps it takes every client message that has arrived; after each step it sends one
+``StepOutputs`` message with every request's new tokens (see ``engine.ipc``).
+
+It exits when told to (``Shutdown``), and by itself when its parent process is gone (the read
+end of a pipe whose write end only the parent holds becomes readable at EOF). SIGINT is
+ignored: a Ctrl-C reaches the whole process group, and the gateway shuts the engine down in
+order.
+"""
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.ipc import (
+    STATS_INTERVAL_S,
+    AbortRequests,
+    AddRequest,
+    EngineReady,
+    EngineStartupFailed,
+    ReleaseSession,
+    RequestFailed,
+    SessionReleased,
+    Shutdown,
+    StepOutputs,
+    engine_decoder,
+)
+from engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("engine.core")
+
+
+class EngineCore:
+    """Runs ``engine`` for clients: ``inbox`` receives their messages, ``outbox`` sends them
+    the engine's; ``parent_fd`` turns readable when the parent process exits."""
+
+    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket,
+                 parent_fd: int) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_fd = parent_fd
+        self._decoder = engine_decoder()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._stopping = False
+        self._pending = StepOutputs()
+        self._stats_at = 0.0
+        self._changed = False  # since the last stats snapshot
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.parent_fd, zmq.POLLIN)
+        while not self._stopping:
+            busy = self.engine.has_unfinished()
+            events = dict(poller.poll(0 if busy else None))
+            if self.parent_fd in events:
+                logger.warning("the gateway process is gone; the engine exits")
+                return
+            if self.inbox in events:
+                self._take_messages()
+            if self.engine.has_unfinished():
+                self._step()
+            self._send()
+        logger.info("engine stopped")
+
+    def _take_messages(self) -> None:
+        while True:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(self._decoder.decode(data.buffer))
+
+    def _handle(self, message: AddRequest | AbortRequests | ReleaseSession | Shutdown) -> None:
+        match message:
+            case AddRequest():
+                try:
+                    self.engine.add_request(message.request_id, message.prompt_token_ids,
+                                            message.params, session_id=message.session_id,
+                                            cache_salt=message.cache_salt)
+                except ValueError as error:
+                    self._pending.failed.append(
+                        RequestFailed(message.request_id, str(error), invalid=True))
+            case AbortRequests():
+                for request_id in message.request_ids:
+                    self.engine.abort(request_id)
+            case ReleaseSession():
+                released = self.engine.release_session(message.session_id)
+                self._pending.released.append(SessionReleased(message.call_id, released))
+            case Shutdown():
+                self._stopping = True
+        self._changed = True
+
+    def _step(self) -> None:
+        self._changed = True
+        try:
+            self._pending.outputs.extend(self.engine.step())
+        except Exception as error:
+            logger.exception("engine step failed; failing the running requests")
+            for request_id in list(self.engine.requests):
+                self.engine.abort(request_id)
+                self._pending.failed.append(
+                    RequestFailed(request_id, f"engine step failed: {error}", invalid=False))
+
+    def _send(self) -> None:
+        """Send what this iteration produced, with a stats snapshot when one is due: while busy
+        every ``STATS_INTERVAL_S``, and before going idle after anything changed."""
+        pending = self._pending
+        pending.pin_changes = self.engine.take_pin_changes()
+        now = time.monotonic()
+        busy = self.engine.has_unfinished()
+        if self._changed and (not busy or now - self._stats_at >= STATS_INTERVAL_S):
+            pending.stats = self.engine.stats()
+            self._stats_at = now
+            self._changed = False
+        if (pending.outputs or pending.failed or pending.pin_changes or pending.released
+                or pending.stats is not None):
+            self.outbox.send(self._encoder.encode(pending), copy=False)
+            self._pending = StepOutputs()
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m engine.core", description=__doc__)
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--inbox", required=True, help="ZeroMQ address to receive from")
+    parser.add_argument("--outbox", required=True, help="ZeroMQ address to send to")
+    parser.add_argument("--parent-fd", type=int, required=True,
+                        help="read end of a pipe only the parent process writes to")
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(args.inbox)
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # never block or drop: the client reads every message
+    outbox.setsockopt(zmq.LINGER, 10_000)
+    outbox.connect(args.outbox)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        config = msgspec.json.decode(args.config, type=EngineConfig)
+        engine = LLMEngine(config, track_pin_changes=True)
+    except BaseException as error:  # noqa: BLE001 - reported to the client, then exit
+        logger.exception("the engine failed to start")
+        message = f"{type(error).__name__}: {error}"
+        outbox.send(encoder.encode(EngineStartupFailed(message)))
+        inbox.close(linger=0)
+        outbox.close()  # lingers until the message is out
+        context.term()
+        return 1
+    outbox.send(encoder.encode(EngineReady(engine.info, engine.stats())))
+    logger.info("engine ready (pid %d)", os.getpid())
+    EngineCore(engine, inbox, outbox, args.parent_fd).run()
+    inbox.close(linger=0)
+    outbox.close()
+    context.term()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

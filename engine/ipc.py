@@ -1,0 +1,87 @@
+"""The messages between the engine process (``engine.core``) and its client
+(``engine.async_engine``), as msgspec structs sent as msgpack over two ZeroMQ sockets.
+
+Client → engine (one PUSH/PULL pipe): ``AddRequest``, ``AbortRequests``, ``ReleaseSession``,
+``Shutdown``.
+
+Engine → client (another): first ``EngineReady`` or ``EngineStartupFailed``; then one
+``StepOutputs`` per engine step that produced anything (every request's delta outputs of that
+step, the requests it refused, session pin changes, answers to ``ReleaseSession``, and a stats
+snapshot while busy at most every ``STATS_INTERVAL_S`` and whenever it goes idle).
+"""
+
+import msgspec
+
+from engine.info import EngineInfo
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class ReleaseSession(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    session_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+ClientMessage = AddRequest | AbortRequests | ReleaseSession | Shutdown
+
+
+class EngineReady(msgspec.Struct, tag=True, array_like=True):
+    info: EngineInfo
+    stats: EngineStats
+
+
+class EngineStartupFailed(msgspec.Struct, tag=True, array_like=True):
+    error: str  # "<ExceptionType>: <message>", what the engine raised while starting
+
+
+class RequestFailed(msgspec.Struct, array_like=True):
+    """A request the engine refused (invalid) or dropped (its step failed)."""
+
+    request_id: str
+    error: str
+    invalid: bool  # the request itself was at fault (HTTP 400), not the engine
+
+
+class SessionReleased(msgspec.Struct, array_like=True):
+    call_id: int
+    released: bool
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[RequestOutput] = []
+    failed: list[RequestFailed] = []
+    pin_changes: dict[str, list[int] | None] = {}  # session id → pinned token ids, or None
+    released: list[SessionReleased] = []
+    stats: EngineStats | None = None
+
+
+EngineMessage = EngineReady | EngineStartupFailed | StepOutputs
+
+STATS_INTERVAL_S = 0.05
+
+
+def client_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what the engine sends."""
+    return msgspec.msgpack.Decoder(EngineMessage)
+
+
+def engine_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what a client sends."""
+    return msgspec.msgpack.Decoder(ClientMessage)

@@ -1,0 +1,140 @@
+"""``chatgate serve`` runs the engine in a child process: it starts with it, reports its startup
+error, ends every open stream cleanly within 1 s when it dies (SSE error event, WebSocket
+``error`` frame, /healthz 503, then a non-zero exit), and leaves no process behind on SIGTERM
+or a Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import websockets
+from chatgate_testlib import Server
+
+LONG = {"model": "smollm2", "messages": [{"role": "user", "content": "Write a long essay."}],
+        "max_tokens": 2000, "ignore_eos": True, "stream": True, "temperature": 0}
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def alive(pid: int) -> bool:
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def engine_pid(server: Server) -> int:
+    (pid,) = [p for p in children(server.proc.pid) if "engine.core" in cmdline(p)]
+    return pid
+
+
+def cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def wait_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        assert time.monotonic() < deadline, f"process {pid} ({cmdline(pid)}) still running"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def own_server(tmp_path: Path):
+    srv = Server(["--num-kv-blocks", "256", "--max-model-len", "4096"], tmp_path / "server.log")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+async def _first_tokens_sse(client: httpx.AsyncClient, url: str, lines: list[str],
+                            started: asyncio.Event) -> float:
+    """Read an SSE stream to its end; return when it ended (monotonic)."""
+    async with client.stream("POST", url + "/v1/chat/completions", json=LONG) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                if len(lines) >= 3:
+                    started.set()
+    return time.monotonic()
+
+
+@pytest.mark.asyncio
+async def test_a_dead_engine_ends_every_stream_and_the_server(own_server: Server) -> None:
+    pid = engine_pid(own_server)
+    lines: list[str] = []
+    started = asyncio.Event()
+    async with httpx.AsyncClient(timeout=60) as client:
+        sse = asyncio.create_task(_first_tokens_sse(client, own_server.url, lines, started))
+        ws = await websockets.connect(own_server.ws_url)
+        await ws.send(json.dumps({"type": "session.create"}))
+        assert json.loads(await ws.recv())["type"] == "session"
+        await ws.send(json.dumps({"type": "message", "content": "Tell me a long story.",
+                                  "params": {"max_tokens": 2000, "ignore_eos": True}}))
+        assert json.loads(await ws.recv())["type"] == "delta"
+        await asyncio.wait_for(started.wait(), 60)
+
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        sse_ended = await asyncio.wait_for(sse, 5)
+        while (event := json.loads(await asyncio.wait_for(ws.recv(), 5)))["type"] == "delta":
+            pass
+        ws_error_at = time.monotonic()
+        health = await client.get(own_server.url + "/healthz")
+
+    assert sse_ended - killed < 1.0 and ws_error_at - killed < 1.0
+    assert lines[-1] == "[DONE]"
+    error = json.loads(lines[-2])["error"]
+    assert error["code"] == "engine_unavailable" and "exited" in error["message"]
+    assert event["type"] == "error" and event["code"] == "engine_unavailable"
+    assert health.status_code == 503 and health.json()["status"] == "engine_dead"
+    assert own_server.proc.wait(timeout=30) != 0  # the server exits, non-zero
+    await ws.close()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_stopping_the_server_leaves_no_process(own_server: Server, how: str) -> None:
+    server_pid = own_server.proc.pid
+    pid = engine_pid(own_server)
+    if how == "sigterm":
+        own_server.proc.terminate()
+    else:  # a terminal's Ctrl-C reaches every process of the foreground group
+        os.kill(server_pid, signal.SIGINT)
+        os.kill(pid, signal.SIGINT)  # the engine ignores it and is stopped by the gateway
+    # uvicorn shuts down in order, then ends by the signal it got (as a shell expects)
+    signum = signal.SIGTERM if how == "sigterm" else signal.SIGINT
+    assert own_server.proc.wait(timeout=60) in (0, -signum)
+    assert "Application shutdown complete" in own_server.log()
+    assert "Traceback" not in own_server.log()
+    wait_gone(pid, timeout=5)
+
+
+def test_a_startup_failure_prints_the_engine_error(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    srv = Server(["--model", "/no/such/model"], log)
+    with pytest.raises(RuntimeError, match="exited with"):
+        srv.start()
+    srv.stop()
+    text = log.read_text()
+    assert "is not a known model name or an existing model path" in text
+    assert "EngineStartupError" in text
+    assert srv.proc.returncode != 0
+
+
+def test_killing_the_gateway_takes_the_engine_down(own_server: Server) -> None:
+    pid = engine_pid(own_server)
+    own_server.proc.send_signal(signal.SIGKILL)
+    own_server.proc.wait()
+    wait_gone(pid, timeout=5)
