@@ -20,6 +20,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine (vLLM's flags)")
     e.add_argument("--model", default="smollm2",
                    help="model name or path (default: smollm2, SmolLM2-135M-Instruct)")
+    e.add_argument("--tokenizer", default=None,
+                   help="a Hugging Face tokenizer folder to use instead of the model's own")
     e.add_argument("--served-model-name", default=None,
                    help="model id shown by /v1/models and accepted in requests")
     e.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)")
@@ -77,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     engine = EngineSettings(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        model=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+        block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -90,18 +90,29 @@ class Metrics:
         self.rate_limited = Counter(PREFIX + "rate_limited_requests",
                                     "Requests refused by a tenant limit.", lbl, registry=r)
 
-        # Create the labelled children up front so every series exists from the first scrape.
+        # The labelled children, made up front: every series exists from the first scrape,
+        # and the per-token path skips the label lookup.
+        m = model_name
         for metric in (self.prefix_cache_queries, self.prefix_cache_hits, self.prompt_tokens,
-                       self.generation_tokens, self.ttft, self.itl, self.e2e,
                        self.rate_limited):
-            metric.labels(model_name)
-        for reason in ("stop", "length", "abort"):
-            self.request_success.labels(model_name, reason)
-        for transport in ("http", "ws"):
-            self.active_streams.labels(model_name, transport)
+            metric.labels(m)
+        self._generation_tokens = self.generation_tokens.labels(m)
+        self._ttft = self.ttft.labels(m)
+        self._itl = self.itl.labels(m)
+        self._e2e = self.e2e.labels(m)
+        self._finished = {reason: self.request_success.labels(m, reason)
+                          for reason in ("stop", "length", "abort")}
+        self._streams = {transport: self.active_streams.labels(m, transport)
+                         for transport in ("http", "ws")}
 
     def attach_engine(self, get_stats: Callable[[], EngineStats]) -> None:
         self.registry.register(_EngineCollector(get_stats, self.model_name))
+
+    def stream_started(self, transport: str) -> None:
+        self._streams[transport].inc()
+
+    def stream_ended(self, transport: str) -> None:
+        self._streams[transport].dec()
 
     def observe_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         m = self.model_name
@@ -109,17 +120,24 @@ class Metrics:
         self.prefix_cache_hits.labels(m).inc(cached_tokens)
         self.prompt_tokens.labels(m).inc(prompt_tokens)
 
-    def observe_itl(self, gap_s: float, num_tokens: int) -> None:
+    def observe_first_tokens(self, num_tokens: int, ttft_s: float) -> None:
+        self._generation_tokens.inc(num_tokens)
+        self._ttft.observe(ttft_s)
+
+    def observe_tokens(self, num_tokens: int, gap_s: float) -> None:
         """``num_tokens`` arrived together ``gap_s`` after the previous ones: each counts as
         ``gap_s / num_tokens`` apart (at most 64 observations)."""
-        itl = self.itl.labels(self.model_name)
+        self._generation_tokens.inc(num_tokens)
+        itl = gap_s / num_tokens
         for _ in range(min(num_tokens, 64)):
-            itl.observe(gap_s / num_tokens)
+            self._itl.observe(itl)
 
     def observe_finish(self, reasons: set[str], e2e_s: float | None) -> None:
         """A request ended with these finish reasons (one per sample kind); ``e2e_s`` when it
         finished rather than being aborted."""
         for reason in reasons:
-            self.request_success.labels(self.model_name, reason).inc()
+            child = self._finished.get(reason) or self.request_success.labels(self.model_name,
+                                                                              reason)
+            child.inc()
         if e2e_s is not None:
-            self.e2e.labels(self.model_name).observe(e2e_s)
+            self._e2e.observe(e2e_s)

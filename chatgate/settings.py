@@ -15,6 +15,7 @@ class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str = "smollm2"
+    tokenizer: str | None = None
     device: str | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"] | None = None
     block_size: Literal[8, 16, 32] = 16

@@ -163,12 +163,12 @@ class Turn:
         engine request at once."""
         assert self.params is not None, "Turn.prepare() was not called"
         gw, stats = self.gw, self.stats
-        metrics, model, transport = gw.metrics, gw.model_name, self.transport
+        metrics, transport = gw.metrics, self.transport
         stats.prompt_tokens = len(self.prompt_ids)
         finish_reasons: set[str] = set()
         first, finished = True, False
         last_token_at = 0.0
-        metrics.active_streams.labels(model, transport).inc()
+        metrics.stream_started(transport)
         outputs = gw.engine.generate(self.prompt_ids, self.params,
                                      f"{transport}-{uuid.uuid4().hex}",
                                      session_id=self.engine_session_id,
@@ -192,11 +192,10 @@ class Turn:
                     if stats.first_token_at is None:
                         stats.first_token_at = now
                         stats.ttft_s = now - stats.started
-                        metrics.ttft.labels(model).observe(stats.ttft_s)
+                        metrics.observe_first_tokens(new, stats.ttft_s)
                     else:
-                        metrics.observe_itl(now - last_token_at, new)
+                        metrics.observe_tokens(new, now - last_token_at)
                     last_token_at = now
-                    metrics.generation_tokens.labels(model).inc(new)
                 if out.finished and self.session_id is not None:
                     await self.store()
                 finished = out.finished
@@ -211,7 +210,7 @@ class Turn:
         finally:
             await outputs.aclose()  # aborts the engine request if it has not finished
             stats.ended = time.perf_counter()
-            metrics.active_streams.labels(model, transport).dec()
+            metrics.stream_ended(transport)
             if finished:
                 metrics.observe_finish(finish_reasons, stats.ended - stats.started)
             else:

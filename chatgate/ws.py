@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
 from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
@@ -28,6 +29,7 @@ log = logging.getLogger("chatgate")
 SUBPROTOCOL = "chatgate"
 BEARER_PREFIX = "bearer."
 _SID_RE = re.compile(SESSION_ID_PATTERN)
+_encode = msgspec.json.Encoder().encode
 
 
 def origin_allowed(ws: WebSocket, allowed: list[str]) -> bool:
@@ -57,7 +59,7 @@ class WSConnection:
     async def send(self, event: dict[str, Any]) -> None:
         async with self._send_lock:
             if self.ws.application_state == WebSocketState.CONNECTED:
-                await self.ws.send_text(json.dumps(event, ensure_ascii=False))
+                await self.ws.send_text(_encode(event).decode())
 
     async def error(self, code: str, message: str, **extra: Any) -> None:
         await self.send({"type": "error", "code": code, "message": message, **extra})

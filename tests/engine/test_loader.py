@@ -255,3 +255,26 @@ def test_missing_package_gives_install_hint(monkeypatch: pytest.MonkeyPatch,
     assert issubclass(ModelPackageMissingError, ValueError)
     dummy = load_model(f"dummy:{_tiny_config(tmp_path / 'c.json', 'llama')}", CPU, F32)
     assert dummy.tokenizer is None
+
+
+def test_a_dummy_with_a_larger_vocabulary_only_samples_ids_its_tokenizer_has(
+        tmp_path: Path, smol: LoadedModel) -> None:
+    """A dummy model that borrows SmolLM2's 49,152-token tokenizer for a 60,000-id vocabulary
+    (as dummy:llama-3.1-8b does with 128,256) never emits an id without text; ``tokenizer``
+    swaps in a tokenizer folder, here the same tokenizer saved to disk."""
+    from engine import LLM, SamplingParams
+
+    config = json.loads(_tiny_config(tmp_path / "wide.json", "llama").read_text())
+    (tmp_path / "wide.json").write_text(json.dumps({**config, "vocab_size": 60000}))
+    folder = tmp_path / "tokenizer"
+    smol.tokenizer.save_pretrained(str(folder))
+    loaded = load_model(f"dummy:{tmp_path / 'wide.json'}", CPU, F32, tokenizer=str(folder))
+    assert loaded.vocab_limit == len(smol.tokenizer) == 49152
+    assert loaded.tokenizer.chat_template == smol.tokenizer.chat_template
+    llm = LLM(f"dummy:{tmp_path / 'wide.json'}", tokenizer=str(folder), num_kv_blocks=64)
+    outs = llm.generate([[1, 2, 3]] * 8, [SamplingParams(temperature=1.0, seed=i, max_tokens=32,
+                                                          ignore_eos=True) for i in range(8)])
+    ids = [t for o in outs for t in o.outputs[0].token_ids]
+    assert len(ids) == 256 and max(ids) < 49152
+    with pytest.raises(ValueError, match="not a folder with tokenizer files"):
+        load_model("dummy:smollm2-135m", CPU, F32, tokenizer=str(tmp_path / "wide.json"))
