@@ -158,10 +158,10 @@ async def chat_completions(request: Request) -> Response:
     turn = Turn(gw, tenant, [m.as_template_message() for m in req.messages],
                 session_id=req.session_id, transport="http")
     top_n = req.top_logprobs or 0
-    turn.prepare(max_tokens=req.requested_max_tokens(), clamp_max_tokens=False,
-                 n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                 seed=req.seed, stop=req.stop, logprobs=top_n if req.logprobs else None,
-                 ignore_eos=req.ignore_eos)
+    await turn.prepare(max_tokens=req.requested_max_tokens(), clamp_max_tokens=False,
+                       n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                       seed=req.seed, stop=req.stop, logprobs=top_n if req.logprobs else None,
+                       ignore_eos=req.ignore_eos)
     await turn.start()
     completion = _Completion(gw, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
                              _Logprobs(gw.engine.tokenizer, top_n) if req.logprobs else None)

@@ -99,12 +99,13 @@ class Turn:
         self.params: SamplingParams | None = None
         self._holds = False  # the tenant's stream slot and the session lock
 
-    def prepare(self, *, max_tokens: int | None, clamp_max_tokens: bool,
-                **sampling: Any) -> None:
+    async def prepare(self, *, max_tokens: int | None, clamp_max_tokens: bool,
+                      **sampling: Any) -> None:
         """Render, check and build the sampling params (400 on bad input); holds nothing.
         ``clamp_max_tokens``: cut ``max_tokens`` to the room left instead of refusing it."""
         try:
-            self.prompt_ids = self.gw.engine.render_chat(self.messages, self.engine_session_id)
+            self.prompt_ids = await self.gw.engine.render_chat(self.messages,
+                                                               self.engine_session_id)
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
         max_tokens = self.gw.check_prompt(self.prompt_ids, max_tokens, clamp=clamp_max_tokens)

@@ -243,10 +243,10 @@ class WSConnection:
         assert self.tenant is not None and self.session is not None
         p = self._params(event)
         turn = Turn(self.gw, self.tenant, messages, session_id=self.session.id, transport="ws")
-        turn.prepare(max_tokens=p.max_tokens, clamp_max_tokens=True, temperature=p.temperature,
-                     top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                     stop=[p.stop] if isinstance(p.stop, str) else p.stop,
-                     ignore_eos=p.ignore_eos)
+        await turn.prepare(max_tokens=p.max_tokens, clamp_max_tokens=True,
+                           temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                           stop=[p.stop] if isinstance(p.stop, str) else p.stop,
+                           ignore_eos=p.ignore_eos)
         await turn.start()
         return turn
 

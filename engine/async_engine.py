@@ -6,9 +6,10 @@ engine step and routes its outputs. A consumer that falls behind gets the output
 merged into one (vLLM's output collector), so a slow consumer costs fewer, larger deltas and
 never holds the engine back.
 
-Chat prompts are rendered here, with the process's own tokenizer, against a mirror of the
-engine's session pins (every pin and unpin arrives with the step that made it). A stale mirror
-costs only cache reuse, never correctness: the engine matches prompts to its real pins.
+Chat prompts are rendered here (in worker threads), with the process's own tokenizer, against a
+mirror of the engine's session pins (every pin and unpin arrives with the step that made it).
+A stale mirror costs only cache reuse, never correctness: the engine matches prompts to its
+real pins.
 
 If the engine process dies, every open stream fails with ``EngineDeadError`` at once, later
 calls raise it, and ``on_death`` callbacks run.
@@ -232,13 +233,16 @@ class AsyncEngine:
         assert self._stats is not None, "AsyncEngine.start() was not awaited"
         return self._stats
 
-    def render_chat(self, messages: list[dict], session_id: str | None = None) -> list[int]:
+    async def render_chat(self, messages: list[dict], session_id: str | None = None
+                          ) -> list[int]:
         """Chat template + generation prompt as token ids, continuing the tokens the engine
-        has pinned under ``session_id`` (see ``engine.chat.render_chat``)."""
+        has pinned under ``session_id`` (see ``engine.chat.render_chat``). Runs in a worker
+        thread: tokenizing a long conversation takes milliseconds, and the tokenizer releases
+        the GIL while it encodes, so the event loop goes on streaming meanwhile."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
         pinned = self._pins.get(session_id) if session_id is not None else None
-        return render_chat(self.tokenizer, messages, pinned)
+        return await asyncio.to_thread(render_chat, self.tokenizer, messages, pinned)
 
     # -- requests ----------------------------------------------------------------------------
 

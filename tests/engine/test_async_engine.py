@@ -130,12 +130,12 @@ async def test_a_slow_consumer_gets_merged_deltas(engine: AsyncEngine) -> None:
 async def test_session_turns_continue_the_pinned_tokens(engine: AsyncEngine) -> None:
     params = SamplingParams(temperature=0, max_tokens=16)
     chat = [{"role": "user", "content": "Name a fruit."}]
-    prompt = engine.render_chat(chat, "fruit")
+    prompt = await engine.render_chat(chat, "fruit")
     _, answer, outputs = await _collect(engine, prompt, params, "turn-1", session_id="fruit")
     assert outputs[-1].finished
     chat += [{"role": "assistant", "content": answer},
              {"role": "user", "content": "And a vegetable?"}]
-    second = engine.render_chat(chat, "fruit")
+    second = await engine.render_chat(chat, "fruit")
     _, _, outputs = await _collect(engine, second, params, "turn-2", session_id="fruit")
     # the first turn's prompt and answer (but its last token, which has no KV yet) are reused
     assert outputs[0].num_cached_tokens >= len(prompt) + 1
