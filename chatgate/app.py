@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -169,6 +170,11 @@ def create_app(settings: Settings | None = None) -> Starlette:
             log.info("tenants: %s%s", ", ".join(tenants.tenants),
                      " (open: no API key needed)" if tenants.open_mode else "")
             log.info("chatgate ready: model %s", gw.model_name)
+            # What is alive now lives as long as the server (tokenizer, modules, app): keep
+            # it out of the collector's full passes, which would stall the event loop for
+            # 100+ ms (vLLM's API server does the same).
+            gc.collect()
+            gc.freeze()
             yield
         finally:
             app.state.gateway = None

@@ -64,7 +64,7 @@ class SessionReleased(msgspec.Struct, array_like=True):
     released: bool
 
 
-class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     outputs: list[RequestOutput] = []
     failed: list[RequestFailed] = []
     pin_changes: dict[str, list[int] | None] = {}  # session id → pinned token ids, or None

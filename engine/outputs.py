@@ -8,6 +8,9 @@ A request's outputs come in one of two kinds (vLLM's ``RequestOutputKind``):
   its whole output. Only samples with something new (tokens, or their finish) are included.
 - **final only** (offline ``LLM``): one output when the request finishes, with every sample's
   whole text, token ids and logprobs, and the prompt.
+
+The structs never take part in reference cycles, so the garbage collector does not track them
+(``gc=False``): thousands are made per second while serving.
 """
 
 import msgspec
@@ -21,7 +24,7 @@ class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     top: list[tuple[int, float]] = []
 
 
-class CompletionOutput(msgspec.Struct, array_like=True):
+class CompletionOutput(msgspec.Struct, array_like=True, gc=False):
     """One sample of a request (all of it, or what is new: see the module docstring).
     ``cumulative_logprob`` is always the running total over the whole sample."""
 
@@ -38,7 +41,7 @@ class CompletionOutput(msgspec.Struct, array_like=True):
         return self.finish_reason is not None
 
 
-class RequestOutput(msgspec.Struct, array_like=True):
+class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     """``finished``: every sample has finished. ``prompt``/``prompt_token_ids`` are set on
     final-only outputs (delta outputs leave them None: the caller sent the prompt)."""
 

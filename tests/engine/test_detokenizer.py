@@ -191,3 +191,16 @@ def test_the_backend_decoder_equals_the_tokenizers_decode(tok: Any, ids: list[in
     from engine.detokenizer import decoder
 
     assert decoder(tok)(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tok: Any) -> None:
+    import copy
+
+    from engine.detokenizer import decoder
+
+    cleaning = copy.deepcopy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    cleaning.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    ids = tok.encode("Hello , world ! It 's fine .", add_special_tokens=False)
+    assert decoder(cleaning)(ids, True) == cleaning.decode(ids, skip_special_tokens=True)
+    assert decoder(cleaning)(ids, True) != decoder(tok)(ids, True)  # the clean-up applied
