@@ -52,11 +52,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from benchmarks._common import ROOT, Tee, machine_info, percentile, plt, ratio, table  # noqa: E402
+from benchmarks.serving import TOPICS  # noqa: E402
 
-TOPICS = ["the water cycle", "how a CPU cache works", "the history of Rome", "photosynthesis",
-          "TCP congestion control", "the French revolution", "black holes", "sourdough bread",
-          "the immune system", "public key cryptography", "plate tectonics", "jazz harmony",
-          "garbage collection", "the stock market", "volcanoes", "machine translation"]
 STYLES = ["Explain {t} to a ten-year-old.",
           "Write a detailed essay about {t}, with an introduction, three sections and a "
           "conclusion. Use concrete examples and define every technical term you use.",
@@ -265,17 +262,13 @@ def _client_process(job: dict) -> list[dict]:
     return asyncio.run(runner(job))
 
 
-def _processes() -> multiprocessing.context.BaseContext:
-    """Forked workers: they find this module's functions even when it was loaded from a path
-    (as the tests do); this process never touches CUDA, so forking it is safe."""
-    return multiprocessing.get_context("fork")
-
-
 def run_clients(jobs: list[dict]) -> list[dict]:
-    """Run each job in its own process."""
+    """Run each job in its own process: forked, so that they find this module's functions
+    even when it was loaded from a path (as the tests do); they never touch torch, which is
+    what makes forking a process that ran torch unsafe."""
     if len(jobs) == 1:
         return _client_process(jobs[0])
-    with _processes().Pool(len(jobs)) as pool:
+    with multiprocessing.get_context("fork").Pool(len(jobs)) as pool:
         return [row for rows in pool.map(_client_process, jobs) for row in rows]
 
 
@@ -390,12 +383,14 @@ def _direct_levels(model: str, requests: list[list[dict]],
     return levels
 
 
-def direct(model: str, requests: list[list[dict]], args: argparse.Namespace,
-           log: Tee) -> list[Level]:
-    """``LLM.chat`` in a child process, so that all its memory is gone before the server
-    starts."""
-    with _processes().Pool(1) as pool:
-        levels = pool.apply(_direct_levels, (model, requests, args))
+def direct(model: str, args: argparse.Namespace, log: Tee) -> list[Level]:
+    """``LLM.chat`` in a child process (this script again, ``--direct-out``), so that all its
+    memory is gone before the server starts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "direct.json"
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), *args.argv,
+                        "--models", model, "--direct-out", str(out)], check=True)
+        levels = [Level(**row) for row in json.loads(out.read_text())]
     for level in levels:
         log(f"  direct   C={level.concurrency:<4} {level.tok_s:9.0f} tok/s  "
             f"({level.wall_s:.1f} s)")
@@ -520,7 +515,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None,
                    help="folder for results (default $OUT, else docs/bench-gpu)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
+    p.add_argument("--direct-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.num_requests, args.output_len, args.concurrency = 6, 4, "1,3"
         args.warmup, args.client_procs, args.turns_sessions, args.turns = 2, 2, 2, 2
@@ -534,11 +531,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    requests = chat_requests(args.num_requests, seed=0)
+    if args.direct_out is not None:  # the child process of ``direct``
+        levels = _direct_levels(args.models[0], requests, args)
+        args.direct_out.write_text(json.dumps([asdict(lv) for lv in levels]))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     log = Tee(args.out / "gpu_serving.txt")
-    log("gpu_serving:", " ".join(sys.argv[1:] if argv is None else argv))
+    log("gpu_serving:", " ".join(args.argv))
     log(machine_info())
-    requests = chat_requests(args.num_requests, seed=0)
     levels: list[Level] = []
     turns: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -548,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.models:
             log(f"== {model}")
             if not args.no_direct:
-                levels += direct(model, requests, args, log)
+                levels += direct(model, args, log)
             served, turns[model] = serve_and_load(model, requests, args, codes, log)
             levels += served
     rows = []
@@ -561,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "gpu_serving.json").write_text(json.dumps(
         {"argv": sys.argv[1:] if argv is None else argv, "machine": machine_info(),
          "levels": [asdict(lv) for lv in levels], "multi_turn": turns}, indent=1))
-    plot(levels, args.out / "gpu_serving.png")
+    if levels:
+        plot(levels, args.out / "gpu_serving.png")
     for model, modes in turns.items():
         for mode, row in modes.items():
             log(f"multi-turn {model} {mode}: turns>=2 TTFT p50 {row['ttft_later_p50']:.3f} s, "

@@ -94,7 +94,7 @@ class Turn:
         self.engine_session_id = (gw.tenants.engine_session_id(tenant, session_id)
                                   if session_id is not None else None)
         self.stats = TurnStats()
-        self.answer = ""  # the text of sample 0 so far
+        self._answer: list[str] = []  # the text of sample 0 so far, in pieces
         self.prompt_ids: list[int] = []
         self.params: SamplingParams | None = None
         self._holds = False  # the tenant's stream slot and the session lock
@@ -132,6 +132,13 @@ class Turn:
         except Exception as e:  # noqa: BLE001 - any store failure is a 503
             self.release()
             raise store_unavailable(e) from None
+
+    @property
+    def answer(self) -> str:
+        """The text of sample 0 so far."""
+        if len(self._answer) > 1:
+            self._answer = ["".join(self._answer)]
+        return self._answer[0] if self._answer else ""
 
     def release(self) -> None:
         """Give back the tenant's stream slot (charging the tokens used) and the session
@@ -184,8 +191,8 @@ class Turn:
                 new = 0
                 for c in out.outputs:
                     new += len(c.token_ids)
-                    if c.index == 0:
-                        self.answer += c.text
+                    if c.index == 0 and c.text:
+                        self._answer.append(c.text)
                     if c.finish_reason is not None:
                         finish_reasons.add(c.finish_reason)
                 if new:

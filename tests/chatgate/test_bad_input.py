@@ -1,4 +1,4 @@
-"""Acceptance 6: bad input, each case tested; the server stays up and no block leaks."""
+"""Bad input, each case tested; the server stays up and no block leaks."""
 
 from __future__ import annotations
 

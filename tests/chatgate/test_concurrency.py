@@ -1,4 +1,4 @@
-"""Acceptance 5: 64 concurrent SSE streams plus 16 WebSocket sessions against one server all
+"""64 concurrent SSE streams plus 16 WebSocket sessions against one server all
 finish with correct usage and no error."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Acceptance 4: a client that goes away (SSE or WebSocket) aborts its engine request; its
+"""A client that goes away (SSE or WebSocket) aborts its engine request; its
 blocks are back within 1 s and other streams are unaffected."""
 
 from __future__ import annotations

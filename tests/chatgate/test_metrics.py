@@ -1,4 +1,4 @@
-"""Acceptance 8: /metrics exposes vLLM-style names (``chatgate:`` prefix) that move with
+"""/metrics exposes vLLM-style names (``chatgate:`` prefix) that move with
 traffic; /healthz."""
 
 from __future__ import annotations

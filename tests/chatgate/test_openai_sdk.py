@@ -1,4 +1,4 @@
-"""Acceptance 1: the official ``openai`` SDK, unchanged, against a real ``chatgate serve``."""
+"""The official ``openai`` SDK, unchanged, against a real ``chatgate serve``."""
 
 from __future__ import annotations
 

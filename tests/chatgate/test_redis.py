@@ -1,4 +1,4 @@
-"""Acceptance 3: sessions live in Redis under the tenant's prefix with a TTL, survive a gateway
+"""Sessions live in Redis under the tenant's prefix with a TTL, survive a gateway
 restart, and the next turn continues with the full history. Plus the ``SessionStore``
 contract, for both implementations."""
 

@@ -1,4 +1,4 @@
-"""Acceptance 2: multi-turn sessions reuse their pinned KV blocks, over WebSocket and over SSE
+"""Multi-turn sessions reuse their pinned KV blocks, over WebSocket and over SSE
 with ``session_id``; plus the sessions REST API, regenerate and cancel."""
 
 from __future__ import annotations

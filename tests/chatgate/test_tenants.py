@@ -1,4 +1,4 @@
-"""Acceptance 7 (tenant isolation of the prefix cache) and the tenant limits (429 +
+"""Tenant isolation of the prefix cache and the tenant limits (429 +
 Retry-After), warm system prompts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Acceptance 1: the engine's greedy tokens equal transformers' greedy tokens, with steps that
+"""The engine's greedy tokens equal transformers' greedy tokens, with steps that
 mix prefill and decode, for several block sizes, chunked prefill and a pool small enough to
 force preemption."""
 

@@ -1,4 +1,4 @@
-"""Acceptance 7: bad input raises ValueError naming the parameter and the limit, and leaves
+"""Bad input raises ValueError naming the parameter and the limit, and leaves
 no block allocated."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Acceptance 4: ``n`` samples share the prompt's blocks (the partial last block included)
+"""``n`` samples share the prompt's blocks (the partial last block included)
 until they write into them (copy-on-write), and each equals its seed run alone."""
 
 from engine import LLM, SamplingParams

@@ -1,4 +1,4 @@
-"""Acceptance 2 and 3: prefix caching (tenant-salted) and pinned multi-turn sessions."""
+"""Prefix caching (tenant-salted) and pinned multi-turn sessions."""
 
 import pytest
 
