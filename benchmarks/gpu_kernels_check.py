@@ -7,7 +7,8 @@ with padding slots, a CUDA-graph capture of the decode path, and the ``kernels``
 The fused elementwise kernels (``kernels/triton_fused.py``) are checked against transformers'
 op-by-op torch code on the same GPU: the fraction of output elements that are not bit-identical
 (rotary and the residual add must be exact; the norm's mean and SiLU's exp may move a rare bf16
-value by a step) and the relative error.
+value by a step) and the relative error. The sampler's counter-based noise
+(``kernels/triton_sampling.py``) is checked against its torch reference.
 Prints a pass/fail table; exits 1 if any case fails.
 
     PYTHONUNBUFFERED=1 python benchmarks/gpu_kernels_check.py
@@ -23,7 +24,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
-from kernels import reference, triton_attention, triton_cache, triton_fused  # noqa: E402
+from kernels import (  # noqa: E402
+    reference,
+    triton_attention,
+    triton_cache,
+    triton_fused,
+    triton_sampling,
+)
 
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -152,6 +159,16 @@ def mismatch(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got != want).float().mean().item()
 
 
+def noise_case() -> float:
+    """The sampler's Exp(1) noise at a 256-row decode batch over Llama-3's vocabulary: the
+    Triton kernel against the torch reference on the CPU (same integer hash; only the float32
+    logarithm may round differently), as the largest relative error."""
+    keys = torch.randint(0, 1 << 32, (256,))
+    got = triton_sampling.exponential_noise(keys.cuda(), 128256).cpu()
+    want = reference.exponential_noise(keys, 128256)
+    return ((got - want).abs() / want).max().item()
+
+
 def fused_cases(dtype: torch.dtype) -> dict[str, Callable[[], float]]:
     """Llama-3.1-8B shapes, 4096 tokens. Each case returns the mismatch fraction, except the
     norm and SiLU in fp32, which return the relative error (a last-bit difference of a row's
@@ -269,6 +286,7 @@ def main() -> int:
     record("bf16 d128 bs16 kv8 g4", "graph replay split-K", lambda: graph_case(4, 20),
            BOUND[torch.bfloat16])
     record("bf16 d64 bs16 kv2 g4", "kernels dispatch", dispatch_case, BOUND[torch.bfloat16])
+    record("fp32 256 x 128256", "sampling noise", noise_case, 4 * torch.finfo().eps)
     for dtype in (torch.bfloat16, torch.float32):
         for case, fn in fused_cases(dtype).items():
             exact = FUSED_BOUND[case] == 0.0

@@ -18,7 +18,7 @@ from engine.loader import load_model
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampler import sample
+from engine.sampler import draw_key, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -127,10 +127,8 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         seqs = []
         for index in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(self.runner.device).manual_seed(params.seed + index)
-            seqs.append(Sequence(request_id, index, prompt_token_ids, params, generator,
+            seed = params.seed + index if params.seed is not None else None
+            seqs.append(Sequence(request_id, index, prompt_token_ids, params, seed,
                                  session_id=session_id if index == 0 else None,
                                  cache_salt=cache_salt))
         detokenizers = [
@@ -204,8 +202,9 @@ class LLMEngine:
                 request.pending_forks = []
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        token_ids, logprobs = sample(logits, [s.params for s in sampled],
-                                     [s.generator for s in sampled])
+        keys = [draw_key(s.seed, s.num_tokens - s.num_prompt_tokens) if s.seed is not None
+                else None for s in sampled]
+        token_ids, logprobs = sample(logits, [s.params for s in sampled], keys)
 
         touched: dict[str, _Request] = {}
         for seq, token_id, logprob in zip(sampled, token_ids, logprobs, strict=True):

@@ -3,9 +3,11 @@
 Invariants of :func:`sample`:
 
 - a greedy row (temperature 0) gets exactly ``logits[i].argmax()``;
-- a sampling row draws one exponential per vocabulary entry from its own generator (or the
-  global RNG when it has none), and its token depends only on its own logits, parameters and
-  that noise: a seeded request yields the same tokens whatever else shares the batch;
+- a sampling row draws one exponential per vocabulary entry, a pure function of its 32-bit
+  key (:func:`draw_key` of a seeded sequence's seed and output position, else a key from
+  torch's global RNG), and its token depends only on its own logits, parameters and that
+  noise: a seeded request yields the same tokens whatever else shares the batch, on CPU and
+  GPU alike, and after a preemption recomputes it;
 - a token that temperature/top-k/top-p/min-p left with probability 0 is never drawn;
 - logprobs are those of the raw logits (no temperature or filtering), as OpenAI and vLLM report;
 - on an accelerator the host waits once, for the final ``.tolist()``.
@@ -17,26 +19,37 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from kernels import exponential_noise
 
 _CPU_NUCLEUS_DEPTH = 1024  # on CPU, top-p first looks for its nucleus among this many tokens
+_MASK64 = (1 << 64) - 1
+
+
+def draw_key(seed: int, position: int) -> int:
+    """The 32-bit noise key of a seeded sequence's draw at output ``position`` (0 for its
+    first token): splitmix64's finaliser over the pair, so nearby seeds and positions give
+    unrelated keys."""
+    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    keys: Sequence[int | None],
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Draw one token per row of ``logits`` ``[num_rows, vocab]`` (any float dtype and device).
 
-    Row ``i`` follows ``params[i]`` and draws from ``generators[i]`` (on the logits' device) or, if
-    it is None, from the global RNG. Returns the token ids and, per row, a :class:`TokenLogprob`
-    when ``params[i].logprobs`` is not None (``top``: that many best tokens, descending), else None.
+    Row ``i`` follows ``params[i]`` and draws with noise key ``keys[i]`` (see :func:`draw_key`)
+    or, if it is None, a key from torch's global RNG. Returns the token ids and, per row, a
+    :class:`TokenLogprob` when ``params[i].logprobs`` is not None (``top``: that many best
+    tokens, descending), else None.
     """
     num_rows = logits.shape[0]
-    if not len(params) == len(generators) == num_rows:
-        raise ValueError(
-            f"{num_rows} logits rows but {len(params)} params and {len(generators)} generators"
-        )
+    if not len(params) == len(keys) == num_rows:
+        raise ValueError(f"{num_rows} logits rows but {len(params)} params and {len(keys)} keys")
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(rows) < num_rows:
         tokens = logits.argmax(dim=-1)
@@ -56,7 +69,7 @@ def sample(
             threshold = min_p if threshold is None else torch.maximum(threshold, min_p)
         if threshold is not None:
             probs.masked_fill_(probs < threshold, 0.0)
-        tokens.index_copy_(0, index, _exponential_race(probs, [generators[i] for i in rows]))
+        tokens.index_copy_(0, index, _exponential_race(probs, [keys[i] for i in rows]))
     return _with_logprobs(logits, tokens, params)
 
 
@@ -108,22 +121,23 @@ def _top_k_top_p_threshold(
     return torch.zeros(num_rows, 1, device=probs.device).index_copy_(0, index, threshold)
 
 
-def _exponential_race(probs: torch.Tensor,
-                      generators: list[torch.Generator | None]) -> torch.Tensor:
+def _exponential_race(probs: torch.Tensor, keys: list[int | None]) -> torch.Tensor:
     """``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. per token: an exact draw from each row of
     the unnormalised, non-negative ``probs`` (the Gumbel-max trick in multiplicative form).
 
-    Each row's noise comes from its own generator, so a seeded row's draw never depends on the
-    rest of the batch; and unlike an inverse CDF, whose cumulative sums turn a tiny difference
-    in the logits (another batch size, another kernel) into another token, the race only flips
-    on a near-exact tie. A token of probability 0 is never drawn."""
-    noise = torch.empty_like(probs)
-    if all(g is None for g in generators):
-        noise.exponential_()
-    else:
-        for row, generator in enumerate(generators):
-            noise[row].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    Each row's noise is a pure function of its key (``kernels.exponential_noise``: one launch
+    for the whole batch), so a seeded row's draw never depends on the rest of the batch; and
+    unlike an inverse CDF, whose cumulative sums turn a tiny difference in the logits (another
+    batch size, another kernel) into another token, the race only flips on a near-exact tie.
+    A token of probability 0 is never drawn."""
+    unseeded = [row for row, key in enumerate(keys) if key is None]
+    filled = list(keys)
+    if unseeded:
+        for row, key in zip(unseeded, torch.randint(0, 1 << 32, (len(unseeded),)).tolist(),
+                            strict=True):
+            filled[row] = key
+    keys_tensor = torch.tensor(filled, dtype=torch.int64).to(probs.device, non_blocking=True)
+    return (probs / exponential_noise(keys_tensor, probs.shape[1])).argmax(dim=-1)
 
 
 def _with_logprobs(

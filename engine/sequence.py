@@ -3,8 +3,6 @@
 import itertools
 from enum import Enum, auto
 
-import torch
-
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -28,7 +26,7 @@ class Sequence:
         index: int,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        generator: torch.Generator | None,
+        seed: int | None,
         session_id: str | None = None,
         cache_salt: str | None = None,
     ) -> None:
@@ -38,7 +36,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.generator = generator
+        self.seed = seed  # the request's seed + index, or None
         self.session_id = session_id
         self.cache_salt = cache_salt
         self.status = SequenceStatus.WAITING

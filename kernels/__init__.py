@@ -13,11 +13,12 @@ Layout shared by every implementation:
 
 Beside attention, the decoder's elementwise steps (RMSNorm with the residual add, rotary with
 the cache write, SiLU·mul) share the same dispatch: one fused Triton launch each on CUDA, the
-op-by-op torch code of transformers' Llama on CPU.
+op-by-op torch code of transformers' Llama on CPU. So does the sampler's counter-based noise.
 """
 
 from kernels.dispatch import (
     add_rms_norm,
+    exponential_noise,
     paged_attention,
     reshape_and_cache,
     rms_norm,
@@ -27,6 +28,7 @@ from kernels.dispatch import (
 
 __all__ = [
     "add_rms_norm",
+    "exponential_noise",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",

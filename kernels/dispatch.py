@@ -58,6 +58,16 @@ def _fused_or_reference(t: torch.Tensor):
     return reference
 
 
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise ``[len(keys), vocab]`` (float32), a pure function of each row's 32-bit key
+    (int64 ``keys``) and the column, the same on every device (see ``reference``)."""
+    if keys.is_cuda:
+        from kernels import triton_sampling
+
+        return triton_sampling.exponential_noise(keys, vocab)
+    return reference.exponential_noise(keys, vocab)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' ``LlamaRMSNorm`` of ``x [num_tokens, hidden]``."""
     return _fused_or_reference(x).rms_norm(x, weight, eps)

@@ -148,3 +148,25 @@ def rotary_and_cache(
     query.copy_(query * cos + _rotate_half(query) * sin)
     key = key * cos + _rotate_half(key) * sin
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+NOISE_GOLDEN, NOISE_MIX1, NOISE_MIX2 = 0x9E3779B1, 0x21F0AAAD, 0x735A2D97  # odd, < 2**32
+NOISE_FLOOR = 2.0**-26  # below -log(1 - 2**-24); keeps a last-bit-rounded log from reaching 0
+_MASK32 = 0xFFFFFFFF
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise ``[len(keys), vocab]`` (float32), a pure function of each row's 32-bit key
+    and the column: ``-log(u)`` with ``u`` the top 23 bits of a 32-bit integer hash of
+    ``column * NOISE_GOLDEN + key`` (mod 2**32), plus a half step, so that
+    ``2**-24 <= u <= 1 - 2**-24`` holds exactly in float32 and the noise is never 0 (a zero
+    would turn a zero-probability token's ``p / E`` into NaN, which argmax picks).
+
+    The arithmetic is 32-bit unsigned, done in int64 with masks (every product is < 2**63)."""
+    x = torch.arange(vocab, dtype=torch.int64, device=keys.device).mul_(NOISE_GOLDEN)
+    x = (x + keys.to(torch.int64)[:, None]).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 16).mul_(NOISE_MIX1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15).mul_(NOISE_MIX2).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15)
+    u = (x >> 9).float().add_(0.5).mul_(1.0 / (1 << 23))
+    return u.log_().neg_().clamp_min_(NOISE_FLOOR)

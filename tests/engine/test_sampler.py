@@ -3,16 +3,12 @@
 import pytest
 import torch
 
-from engine.sampler import _exponential_race, _top_k_top_p_threshold, sample
+from engine.sampler import _exponential_race, _top_k_top_p_threshold, draw_key, sample
 from engine.sampling_params import SamplingParams
 
 
 def _logits(rows: int, vocab: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
-
-
-def _seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -37,17 +33,17 @@ def test_seeded_rows_reproducible_and_independent_of_the_batch() -> None:
     target = SamplingParams(temperature=1.0, seed=7)
 
     def run(others: list[SamplingParams], position: int, other_seeds: bool) -> list[int]:
-        gens: list[torch.Generator | None] = [
-            _seeded(100 + i) if other_seeds else None for i in range(len(others))
-        ]
         params = list(others)
         params.insert(position, target)
-        gens.insert(position, _seeded(7))
         out = []
         for step in range(steps):
+            keys: list[int | None] = [
+                draw_key(100 + i, step) if other_seeds else None for i in range(len(others))
+            ]
+            keys.insert(position, draw_key(7, step))
             rows = [_logits(1, vocab, seed=1000 + step * 10 + i)[0] for i in range(len(params))]
             rows[position] = logits[step][0]
-            tokens, _ = sample(torch.stack(rows), params, gens)
+            tokens, _ = sample(torch.stack(rows), params, keys)
             out.append(tokens[position])
         return out
 
@@ -61,6 +57,22 @@ def test_seeded_rows_reproducible_and_independent_of_the_batch() -> None:
     ]
     assert run(mixed, 1, other_seeds=False) == alone
     assert run(mixed, 3, other_seeds=True) == alone
+
+
+def test_draw_keys_differ_across_seeds_and_positions() -> None:
+    keys = {draw_key(seed, position) for seed in range(-50, 50) for position in range(100)}
+    assert len(keys) == 100 * 100
+    assert all(0 <= k < 1 << 32 for k in keys)
+
+
+def test_unseeded_rows_follow_the_global_rng() -> None:
+    logits = _logits(8, 1000, scale=1.0)
+    params = [SamplingParams(temperature=1.0)] * 8
+    torch.manual_seed(5)
+    first, _ = sample(logits, params, [None] * 8)
+    torch.manual_seed(5)
+    assert sample(logits, params, [None] * 8)[0] == first
+    assert sample(logits, params, [None] * 8)[0] != first
 
 
 def test_top_k_one_and_tiny_top_p_equal_greedy() -> None:
@@ -142,8 +154,9 @@ def test_race_is_robust_to_tiny_perturbations() -> None:
     logits = torch.randn(200, 49152, generator=gen) * 3
     noisy = logits * (1 + 1e-6 * torch.randn(200, 49152, generator=gen))
     params = [SamplingParams(temperature=0.8, seed=5)] * 200
-    a, _ = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(200)])
-    b, _ = sample(noisy, params, [torch.Generator().manual_seed(i) for i in range(200)])
+    keys = [draw_key(5, i) for i in range(200)]
+    a, _ = sample(logits, params, keys)
+    b, _ = sample(noisy, params, keys)
     assert a == b
 
 
@@ -194,7 +207,7 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=1.0, top_p=0.9, logprobs=20),
     ]
-    tokens, logprobs = sample(logits, params, [_seeded(i) for i in range(4)])
+    tokens, logprobs = sample(logits, params, [draw_key(i, 0) for i in range(4)])
     raw = torch.log_softmax(logits.float(), -1)
     assert logprobs[2] is None
     for row in (0, 1, 3):
