@@ -30,7 +30,7 @@ from starlette.staticfiles import StaticFiles
 from chatgate import openai_api, sessions_api
 from chatgate.errors import APIError, api_error_handler
 from chatgate.metrics import Metrics
-from chatgate.middleware import BodySizeLimit, RequestTooLarge, too_large_handler
+from chatgate.middleware import RequestGuard
 from chatgate.service import Gateway
 from chatgate.sessions import is_store_error, make_store
 from chatgate.settings import Settings
@@ -196,7 +196,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
     else:
         routes.append(Route("/", _index, methods=["GET"]))
 
-    middleware = [Middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)]
+    middleware = [Middleware(RequestGuard, allowed_origins=settings.allowed_origins,
+                             max_bytes=settings.max_request_bytes,
+                             body_timeout=settings.body_timeout,
+                             send_timeout=settings.send_timeout)]
     if settings.allowed_origins:
         middleware.insert(0, Middleware(
             CORSMiddleware, allow_origins=settings.allowed_origins,
@@ -209,7 +212,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
         lifespan=lifespan,
         exception_handlers={
             APIError: api_error_handler,
-            RequestTooLarge: too_large_handler,
             HTTPException: _http_exception,
             RedisError: _store_error,
             Exception: _server_error,

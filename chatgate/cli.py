@@ -59,10 +59,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--session-idle-unpin", type=float, default=600.0,
                    help="seconds after which an idle session's KV blocks are unpinned")
     g.add_argument("--allowed-origins", default="",
-                   help="comma-separated Origins allowed for WebSocket/CORS ('*' = any); "
-                        "default: same origin only")
+                   help="comma-separated browser Origins allowed on every endpoint and for CORS "
+                        "('*' = any); default: same origin only (others get 403)")
     g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024)
     g.add_argument("--ws-max-message-bytes", type=int, default=1024 * 1024)
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send its whole request body (else 408)")
+    g.add_argument("--send-timeout", type=float, default=30.0,
+                   help="seconds a client may leave a response chunk unread before the "
+                        "connection is dropped and its request aborted")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -92,7 +97,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         redis_url=args.redis_url, redis_prefix=args.redis_prefix, tenants_file=args.tenants,
         session_ttl=args.session_ttl, session_idle_unpin=args.session_idle_unpin,
         allowed_origins=args.allowed_origins, max_request_bytes=args.max_request_bytes,
-        ws_max_message_bytes=args.ws_max_message_bytes, log_level=args.log_level,
+        ws_max_message_bytes=args.ws_max_message_bytes, body_timeout=args.body_timeout,
+        send_timeout=args.send_timeout, log_level=args.log_level,
     )
     if args.server_secret:
         kw["server_secret"] = args.server_secret

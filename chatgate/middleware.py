@@ -1,19 +1,63 @@
-"""ASGI middleware: request-body size limit (413 with an OpenAI error body)."""
+"""``RequestGuard``: the ASGI middleware in front of every route.
+
+- **Origin** (HTTP and WebSocket): a request carrying an ``Origin`` header is refused (403,
+  ``origin_not_allowed``) unless it is same-origin (its host equals ``Host``: the UI this
+  gateway serves) or on the ``--allowed-origins`` list (``*``: any). Without the header (a
+  non-browser client) it passes. So a page on another site cannot drive a local gateway.
+- **Content type**: ``POST``/``PUT``/``PATCH``/``DELETE`` need ``Content-Type:
+  application/json`` (415, ``unsupported_media_type``): a cross-site form or a "simple"
+  ``text/plain`` fetch cannot send it without a CORS preflight.
+- **Body**: at most ``max_bytes`` (413, ``request_too_large``), all of it within
+  ``body_timeout`` seconds (408, ``request_timeout``: a client trickling its body).
+- **Slow readers**: a response chunk that the client has not taken within ``send_timeout``
+  seconds drops the connection; the abandoned stream's engine request is aborted.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from urllib.parse import urlsplit
+
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chatgate.errors import APIError
 
+log = logging.getLogger("chatgate")
 
-class RequestTooLarge(Exception):
-    """Raised by the wrapped ``receive`` once the body passes the limit; the app's exception
-    handler turns it into a 413 (see ``too_large_handler``)."""
+_WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__(max_bytes)
-        self.max_bytes = max_bytes
+
+class _BodyRefused(Exception):
+    """Raised by the guarded ``receive``; becomes ``error`` if no response has started."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _ClientTooSlow(Exception):
+    """Raised by the guarded ``send`` when the client stopped reading."""
+
+
+def origin_allowed(headers: Headers, allowed: list[str]) -> bool:
+    """No Origin: allowed. Otherwise the Origin must be on ``allowed`` (``*``: any) or name the
+    host the request was sent to."""
+    origin = headers.get("origin")
+    if origin is None:
+        return True
+    origin = origin.rstrip("/")
+    if "*" in allowed or origin in allowed:
+        return True
+    host = headers.get("host", "")
+    return bool(host) and urlsplit(origin).netloc.lower() == host.lower()
+
+
+def is_json_content_type(value: str | None) -> bool:
+    """``application/json``, with parameters (``; charset=utf-8``) allowed."""
+    return value is not None and value.split(";", 1)[0].strip().lower() == "application/json"
 
 
 def too_large_error(max_bytes: int) -> APIError:
@@ -21,50 +65,94 @@ def too_large_error(max_bytes: int) -> APIError:
                     code="request_too_large")
 
 
-async def too_large_handler(request, exc):  # type: ignore[no-untyped-def]
-    return too_large_error(exc.max_bytes).response()
-
-
-class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+class RequestGuard:
+    def __init__(self, app: ASGIApp, *, allowed_origins: list[str], max_bytes: int,
+                 body_timeout: float, send_timeout: float) -> None:
         self.app = app
+        self.allowed_origins = allowed_origins
         self.max_bytes = max_bytes
-
-    def _error(self) -> APIError:
-        return too_large_error(self.max_bytes)
+        self.body_timeout = body_timeout
+        self.send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", []):
-            if name == b"content-length":
-                try:
-                    if int(value) > self.max_bytes:
-                        await self._error().response()(scope, receive, send)
-                        return
-                except ValueError:
-                    pass
+        headers = Headers(scope=scope)
+        if not origin_allowed(headers, self.allowed_origins):
+            log.warning("refused %s %s from origin %s", scope["type"], scope["path"],
+                        headers.get("origin"))
+            if scope["type"] == "websocket":  # before accept: the handshake gets HTTP 403
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            error = APIError(403, f"Origin {headers.get('origin')!r} is not allowed; start the "
+                             "gateway with --allowed-origins to allow it.",
+                             code="origin_not_allowed")
+            await error.response()(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await self.app(scope, receive, send)
+            return
+        error = self._check_http(scope["method"], headers)
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        await self._guarded_http(scope, receive, send)
+
+    def _check_http(self, method: str, headers: Headers) -> APIError | None:
+        if method in _WRITE_METHODS and not is_json_content_type(headers.get("content-type")):
+            return APIError(415, f"{method} requests must have Content-Type: application/json "
+                            f"(got {headers.get('content-type')!r}).",
+                            code="unsupported_media_type")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return too_large_error(self.max_bytes)
+        return None
+
+    async def _guarded_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         seen = 0
+        deadline = time.monotonic() + self.body_timeout
         started = False
 
-        async def limited_receive() -> Message:
-            nonlocal seen
-            msg = await receive()
+        body_done = False
+
+        async def guarded_receive() -> Message:
+            nonlocal seen, body_done
+            if body_done:  # later calls wait for the disconnect, for as long as the response
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise _BodyRefused(APIError(
+                    408, f"The request body did not arrive within {self.body_timeout:g} s.",
+                    code="request_timeout")) from None
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_bytes:
-                    raise RequestTooLarge(self.max_bytes)
+                    raise _BodyRefused(too_large_error(self.max_bytes))
+                body_done = not msg.get("more_body", False)
+            else:
+                body_done = True
             return msg
 
-        async def tracking_send(msg: Message) -> None:
+        async def guarded_send(msg: Message) -> None:
             nonlocal started
             if msg["type"] == "http.response.start":
                 started = True
-            await send(msg)
+            if msg["type"] != "http.response.body" or not msg.get("more_body", False):
+                await send(msg)
+                return
+            try:
+                await asyncio.wait_for(send(msg), self.send_timeout)
+            except TimeoutError:
+                raise _ClientTooSlow() from None
 
         try:
-            await self.app(scope, limited_receive, tracking_send)
-        except RequestTooLarge:
+            await self.app(scope, guarded_receive, guarded_send)
+        except _BodyRefused as e:
             if not started:
-                await self._error().response()(scope, receive, send)
+                await e.error.response()(scope, receive, send)
+        except _ClientTooSlow:
+            # Returning with the response unfinished makes the server close the connection.
+            log.warning("dropped %s %s: the client read nothing for %g s", scope["method"],
+                        scope["path"], self.send_timeout)

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from chatgate.auth import authenticate
+from chatgate.body import parse_json
 from chatgate.errors import APIError, from_validation_error
 from chatgate.openai_models import ChatCompletionRequest
 from chatgate.service import Gateway
@@ -32,15 +33,6 @@ from engine import RequestOutput, TokenLogprob
 from engine.outputs import merge_outputs
 
 log = logging.getLogger("chatgate")
-
-
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"We could not parse the JSON body of your request: {e}",
-                       code="invalid_json") from None
 
 
 def _gateway(request: Request) -> Gateway:
@@ -145,7 +137,7 @@ async def _until_disconnect(request: Request, task: asyncio.Task) -> Any:
 async def chat_completions(request: Request) -> Response:
     gw = _gateway(request)
     tenant = authenticate(request, gw.tenants)
-    body = await read_json(request)
+    body = parse_json(await request.body())
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
     try:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
 
@@ -46,7 +53,7 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool | None = False
+    include_usage: StrictBool | None = False
 
 
 class ChatCompletionRequest(BaseModel):
@@ -57,7 +64,7 @@ class ChatCompletionRequest(BaseModel):
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
@@ -67,13 +74,13 @@ class ChatCompletionRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = False
+    logprobs: StrictBool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = None
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
-    ignore_eos: bool | None = False
+    ignore_eos: StrictBool | None = False
 
     @field_validator("stop")
     @classmethod
@@ -108,7 +115,7 @@ class WSParams(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    ignore_eos: bool | None = False
+    ignore_eos: StrictBool | None = False
 
     _check_stop = field_validator("stop")(ChatCompletionRequest._check_stop.__func__)  # type: ignore[attr-defined]
 

@@ -59,6 +59,8 @@ class Settings(BaseModel):
 
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     ws_max_message_bytes: int = Field(default=1024 * 1024, ge=1024)
+    body_timeout: float = Field(default=30.0, gt=0)
+    send_timeout: float = Field(default=30.0, gt=0)
     max_stop_sequences: int = Field(default=4, ge=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import uuid
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgspec
 from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from chatgate.body import parse_json
 from chatgate.errors import APIError, from_validation_error
 from chatgate.openai_models import SESSION_ID_PATTERN, WSParams
 from chatgate.service import Gateway
@@ -30,19 +29,6 @@ SUBPROTOCOL = "chatgate"
 BEARER_PREFIX = "bearer."
 _SID_RE = re.compile(SESSION_ID_PATTERN)
 _encode = msgspec.json.Encoder().encode
-
-
-def origin_allowed(ws: WebSocket, allowed: list[str]) -> bool:
-    """No Origin (a non-browser client): allowed. A browser: same-origin pages (Origin host ==
-    Host, i.e. the UI served by this gateway) and the Origins on the allowlist (``*``: any)."""
-    origin = ws.headers.get("origin")
-    if origin is None:
-        return True
-    origin = origin.rstrip("/")
-    if "*" in allowed or origin in allowed:
-        return True
-    host = ws.headers.get("host", "")
-    return bool(host) and urlsplit(origin).netloc.lower() == host.lower()
 
 
 class WSConnection:
@@ -81,24 +67,15 @@ class WSConnection:
                 msg = await self.ws.receive()
                 if msg["type"] == "websocket.disconnect":
                     break
-                text = msg.get("text")
-                if text is None:
-                    data = msg.get("bytes") or b""
-                    if len(data) > self.max_bytes:
-                        await self.error("message_too_large", self._too_large(len(data)))
-                        continue
-                    try:
-                        text = data.decode("utf-8")
-                    except UnicodeDecodeError:
-                        await self.error("invalid_json", "Frames must be UTF-8 JSON text.")
-                        continue
-                if len(text.encode("utf-8")) > self.max_bytes:
-                    await self.error("message_too_large", self._too_large(len(text.encode())))
+                data: str | bytes = msg.get("text") or msg.get("bytes") or b""
+                size = len(data.encode("utf-8") if isinstance(data, str) else data)
+                if size > self.max_bytes:
+                    await self.error("message_too_large", self._too_large(size))
                     continue
                 try:
-                    event = json.loads(text)
-                except json.JSONDecodeError as e:
-                    await self.error("invalid_json", f"Could not parse the frame as JSON: {e}")
+                    event = parse_json(data)
+                except APIError as e:
+                    await self.error(e.code or "invalid_json", e.message)
                     continue
                 if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                     await self.error("invalid_event", "Each frame must be a JSON object with a "
@@ -321,10 +298,6 @@ async def ws_endpoint(websocket: WebSocket) -> None:
     gw: Gateway | None = getattr(websocket.app.state, "gateway", None)
     if gw is None:
         await websocket.close(code=1013)
-        return
-    if not origin_allowed(websocket, gw.settings.allowed_origins):
-        log.warning("refused websocket from origin %s", websocket.headers.get("origin"))
-        await websocket.close(code=1008)  # before accept: the handshake gets HTTP 403
         return
     offered = list(websocket.scope.get("subprotocols") or [])
     tenant: Tenant | None = None

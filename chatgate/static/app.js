@@ -467,7 +467,7 @@ function openSession(id) {
 async function deleteSession(id) {
   if (!confirm("Delete this conversation?")) return;
   const r = await fetch(`v1/sessions/${encodeURIComponent(id)}`, {
-    method: "DELETE", headers: authHeaders(),
+    method: "DELETE", headers: { ...authHeaders(), "Content-Type": "application/json" },
   });
   if (!r.ok) showBanner(`Could not delete the conversation (HTTP ${r.status})`);
   if (id === state.sessionId) newChat();

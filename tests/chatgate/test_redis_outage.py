@@ -7,51 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
 import time
 
 import httpx
 import pytest
-import redis
 import websockets
-from chatgate_testlib import Server, free_port
+from chatgate_testlib import PrivateRedis, Server
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
 ]
-
-
-class PrivateRedis:
-    def __init__(self, tmp_path) -> None:
-        self.port = free_port()
-        self.dir = tmp_path / "redis"
-        self.dir.mkdir()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if redis.Redis(port=self.port, socket_timeout=1).ping():
-                    return
-            except redis.RedisError:
-                pass
-            assert time.monotonic() < deadline, "private redis did not start"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=20)
 
 
 def test_gateway_survives_a_redis_restart(tmp_path):
