@@ -9,7 +9,7 @@ non-200 answer or error event). At the end, with the load stopped and every sess
 it checks that no KV block is still in use. Results: ``soak.txt``, ``soak.json``, ``soak.png``.
 
     python benchmarks/soak.py --minutes 30                  # SmolLM2 on CPU, concurrency 32
-    python benchmarks/soak.py --minutes 1 --concurrency 4   # smoke run
+    python benchmarks/soak.py --quick                       # smoke run: 2 x 5 s, 2 clients
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -157,7 +158,7 @@ async def soak(url: str, gateway: int, engine: int, args: argparse.Namespace,
     minutes: list[Minute] = []
     last = Counters()
     for minute in range(1, args.minutes + 1):
-        await asyncio.sleep(60)
+        await asyncio.sleep(args.interval)
         stats = await asyncio.to_thread(engine_stats, url)
         row = Minute(minute, proc_rss_mib(gateway), proc_rss_mib(engine), proc_fds(gateway),
                      proc_fds(engine), stats["num_blocks_used"], stats["num_pinned_blocks"],
@@ -209,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--redis-url", default=None, help="default: the in-process session store")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 samples 5 s apart")
     args = p.parse_args(argv)
+    args.interval = 60.0
+    if args.quick:
+        args.minutes, args.interval, args.concurrency, args.max_tokens = 2, 5.0, 2, 4
     args.out.mkdir(parents=True, exist_ok=True)
     log = Tee(args.out / "soak.txt")
     log("soak:", " ".join(sys.argv[1:] if argv is None else argv))
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix = f"soak-{uuid.uuid4().hex[:8]}"
         cmd += ["--redis-url", args.redis_url, "--redis-prefix", prefix]
         log(f"session store: Redis at {args.redis_url}, key prefix {prefix}")
-    server_log = args.out / "soak_server.log"
+    server_log = Path(tempfile.gettempdir()) / "soak_server.log"
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=server_log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -22,6 +22,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Send
 
 from chatgate.auth import authenticate
 from chatgate.body import parse_json
@@ -161,7 +162,7 @@ async def chat_completions(request: Request) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         # ``background`` releases the turn even if the client left before the event
         # generator ever started (its ``finally`` would then never run).
-        return StreamingResponse(_sse_events(turn, completion, include_usage),
+        return _TurnStreamingResponse(_sse_events(turn, completion, include_usage),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                  background=BackgroundTask(turn.release))
@@ -173,6 +174,19 @@ async def chat_completions(request: Request) -> Response:
     if req.session_id:
         result["session_id"] = req.session_id
     return JSONResponse(result)
+
+
+class _TurnStreamingResponse(StreamingResponse):
+    """Closes its event generator however the streaming ends, so the turn's ``finally``
+    (abort the engine request, release the turn) runs at once when a send fails (a client
+    that disconnected, or one dropped for not reading), not whenever the generator is
+    collected."""
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
 async def _collect(turn: Turn) -> RequestOutput:

@@ -123,3 +123,9 @@ def test_gpu_serving_quick(tmp_path, tiny_model, capsys):
     assert turns["session_id"]["errors"] == turns["no session_id"]["errors"] == 0
     pytest.importorskip("matplotlib")
     assert (tmp_path / "gpu_serving.png").stat().st_size > 0
+
+
+def test_soak_quick(tmp_path, tiny_model, capsys):
+    assert _load("soak").main(["--quick", "--model", tiny_model, "--out", str(tmp_path)]) == 0
+    _check(tmp_path, "soak", capsys, "KV blocks in use after the load and every session "
+           "deleted: 0")
