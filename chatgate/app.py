@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from chatgate import openai_api, sessions_api
+from chatgate import completions_api, openai_api, sessions_api
 from chatgate.errors import APIError, api_error_handler
 from chatgate.metrics import Metrics
 from chatgate.middleware import RequestGuard
@@ -125,7 +125,8 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 async def _index(request: Request) -> Response:
     return JSONResponse({"name": "chatgate", "endpoints": [
-        "/v1/models", "/v1/chat/completions", "/v1/ws", "/v1/sessions", "/metrics", "/healthz"]})
+        "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/ws", "/v1/sessions",
+        "/metrics", "/healthz"]})
 
 
 def create_app(settings: Settings | None = None) -> Starlette:
@@ -187,6 +188,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *openai_api.routes,
+        *completions_api.routes,
         *sessions_api.routes,
         WebSocketRoute("/v1/ws", ws_endpoint),
     ]

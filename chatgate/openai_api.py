@@ -36,7 +36,7 @@ from engine.outputs import merge_outputs
 log = logging.getLogger("chatgate")
 
 
-def _gateway(request: Request) -> Gateway:
+def gateway(request: Request) -> Gateway:
     gw = getattr(request.app.state, "gateway", None)
     if gw is None:
         raise APIError(503, "The engine is still loading; retry shortly.", code="not_ready")
@@ -44,7 +44,7 @@ def _gateway(request: Request) -> Gateway:
 
 
 async def list_models(request: Request) -> Response:
-    gw = _gateway(request)
+    gw = gateway(request)
     authenticate(request, gw.tenants)
     return JSONResponse({
         "object": "list",
@@ -122,7 +122,7 @@ class _Logprobs:
         return out
 
 
-async def _until_disconnect(request: Request, task: asyncio.Task) -> Any:
+async def until_disconnect(request: Request, task: asyncio.Task) -> Any:
     """Await ``task``; cancel it if the client disconnects first."""
     while True:
         done, _ = await asyncio.wait({task}, timeout=0.25)
@@ -136,7 +136,7 @@ async def _until_disconnect(request: Request, task: asyncio.Task) -> Any:
 
 
 async def chat_completions(request: Request) -> Response:
-    gw = _gateway(request)
+    gw = gateway(request)
     tenant = authenticate(request, gw.tenants)
     body = parse_json(await request.body())
     if not isinstance(body, dict):
@@ -145,6 +145,10 @@ async def chat_completions(request: Request) -> Response:
         req = ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
+    unimplemented = req.unimplemented_field()
+    if unimplemented is not None:
+        raise APIError(400, f"{unimplemented} is not supported by this server.",
+                       param=unimplemented, code="unsupported_parameter")
     if not gw.accepts_model(req.model):
         raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
                        code="model_not_found")
@@ -154,20 +158,22 @@ async def chat_completions(request: Request) -> Response:
     await turn.prepare(max_tokens=req.requested_max_tokens(), clamp_max_tokens=False,
                        n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                        seed=req.seed, stop=req.stop, logprobs=top_n if req.logprobs else None,
-                       ignore_eos=req.ignore_eos)
+                       ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
+                       frequency_penalty=req.frequency_penalty,
+                       repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
+                       min_tokens=req.min_tokens)
     await turn.start()
     completion = _Completion(gw, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
                              _Logprobs(gw.engine.tokenizer, top_n) if req.logprobs else None)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        # ``background`` releases the turn even if the client left before the event
-        # generator ever started (its ``finally`` would then never run).
-        return _TurnStreamingResponse(_sse_events(turn, completion, include_usage),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                 background=BackgroundTask(turn.release))
+        return TurnStreamingResponse(_sse_events(turn, completion, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"},
+                                     release=[turn])
     try:
-        final = await _until_disconnect(request, asyncio.ensure_future(_collect(turn)))
+        final = await until_disconnect(request, asyncio.ensure_future(_collect(turn)))
     finally:
         turn.release()
     result = completion.response(final, turn.stats.usage())
@@ -176,11 +182,20 @@ async def chat_completions(request: Request) -> Response:
     return JSONResponse(result)
 
 
-class _TurnStreamingResponse(StreamingResponse):
-    """Closes its event generator however the streaming ends, so the turn's ``finally``
-    (abort the engine request, release the turn) runs at once when a send fails (a client
-    that disconnected, or one dropped for not reading), not whenever the generator is
-    collected."""
+class TurnStreamingResponse(StreamingResponse):
+    """SSE for turns: closes its event generator however the streaming ends, so the turns'
+    ``finally`` (abort the engine requests, release the turns) runs at once when a send fails
+    (a client that disconnected, or one dropped for not reading), not whenever the generator
+    is collected; and releases the turns after the response even if the client left before
+    the generator ever started."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, release: list[Turn],
+                 **kwargs: Any) -> None:
+        def release_all() -> None:
+            for turn in release:
+                turn.release()
+
+        super().__init__(content, background=BackgroundTask(release_all), **kwargs)
 
     async def stream_response(self, send: Send) -> None:
         try:

@@ -56,9 +56,24 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = False
 
 
+# OpenAI chat-completion fields with no implementation here (a 400 names them).
+UNIMPLEMENTED_FIELDS = ("tools", "tool_choice", "functions", "function_call",
+                        "parallel_tool_calls", "prediction", "audio", "modalities",
+                        "web_search_options", "reasoning_effort")
+
+
+class ResponseFormat(BaseModel):
+    """Only plain text: JSON mode and JSON schemas need constrained decoding, not built yet."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions``. Unknown fields are accepted and ignored (as vLLM does),
-    except ``cache_salt``-like fields, which are ignored on purpose: the salt is the server's."""
+    """``POST /v1/chat/completions``. Unknown fields are accepted and ignored (as vLLM does;
+    ``cache_salt`` on purpose: the salt is the server's), but the OpenAI fields this server
+    does not implement (``UNIMPLEMENTED_FIELDS``, JSON ``response_format``) are refused by name
+    rather than silently dropped."""
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
@@ -78,6 +93,10 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    response_format: ResponseFormat | None = None
     user: str | None = None
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     ignore_eos: StrictBool | None = False
@@ -94,14 +113,79 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is not None and any(not -100.0 <= b <= 100.0 for b in v.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        return v
+
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
+    def unimplemented_field(self) -> str | None:
+        """The first OpenAI field set in this request that this server does not implement."""
+        extra = self.model_extra or {}
+        return next((name for name in UNIMPLEMENTED_FIELDS if extra.get(name) is not None), None)
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(BaseModel):
+    """``POST /v1/completions`` (OpenAI's legacy text completions): a prompt as text, token
+    ids, or a list of either (one choice group per prompt). ``echo``, ``suffix``, ``logprobs``
+    and a ``best_of`` other than ``n`` are refused by name (not implemented)."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    model: str
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(default=1, ge=1, le=16)
+    best_of: int | None = Field(default=None, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: StrictBool | None = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    user: str | None = None
+    ignore_eos: StrictBool | None = False
+
+    _check_stop = field_validator("stop")(ChatCompletionRequest._check_stop.__func__)  # type: ignore[attr-defined]
+    _check_logit_bias = field_validator("logit_bias")(
+        ChatCompletionRequest._check_logit_bias.__func__)  # type: ignore[attr-defined]
+
+    def unimplemented_field(self) -> str | None:
+        if self.echo:
+            return "echo"
+        if self.suffix is not None:
+            return "suffix"
+        if self.logprobs is not None:
+            return "logprobs"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        return None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 class WSParams(BaseModel):
@@ -116,8 +200,15 @@ class WSParams(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: StrictBool | None = False
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
 
     _check_stop = field_validator("stop")(ChatCompletionRequest._check_stop.__func__)  # type: ignore[attr-defined]
+    _check_logit_bias = field_validator("logit_bias")(
+        ChatCompletionRequest._check_logit_bias.__func__)  # type: ignore[attr-defined]
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

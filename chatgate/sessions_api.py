@@ -10,7 +10,7 @@ from starlette.routing import Route
 
 from chatgate.auth import authenticate
 from chatgate.errors import APIError
-from chatgate.openai_api import _gateway
+from chatgate.openai_api import gateway
 from chatgate.openai_models import SESSION_ID_PATTERN
 
 _SID_RE = re.compile(SESSION_ID_PATTERN)
@@ -24,14 +24,14 @@ def _session_id(request: Request) -> str:
 
 
 async def list_sessions(request: Request) -> Response:
-    gw = _gateway(request)
+    gw = gateway(request)
     tenant = authenticate(request, gw.tenants)
     records = await gw.store.list(tenant.id)
     return JSONResponse({"object": "list", "data": [r.summary() for r in records]})
 
 
 async def get_session(request: Request) -> Response:
-    gw = _gateway(request)
+    gw = gateway(request)
     tenant = authenticate(request, gw.tenants)
     sid = _session_id(request)
     rec = await gw.store.get(tenant.id, sid)
@@ -41,7 +41,7 @@ async def get_session(request: Request) -> Response:
 
 
 async def delete_session(request: Request) -> Response:
-    gw = _gateway(request)
+    gw = gateway(request)
     tenant = authenticate(request, gw.tenants)
     sid = _session_id(request)
     existed = await gw.store.delete(tenant.id, sid)

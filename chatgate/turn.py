@@ -100,16 +100,25 @@ class Turn:
         self._holds = False  # the tenant's stream slot and the session lock
 
     async def prepare(self, *, max_tokens: int | None, clamp_max_tokens: bool,
-                      **sampling: Any) -> None:
-        """Render, check and build the sampling params (400 on bad input); holds nothing.
+                      prompt_ids: list[int] | None = None, **sampling: Any) -> None:
+        """Render the messages (or take ``prompt_ids`` as given: a text completion), check
+        and build the sampling params (400 on bad input); holds nothing.
         ``clamp_max_tokens``: cut ``max_tokens`` to the room left instead of refusing it."""
-        try:
-            self.prompt_ids = await self.gw.engine.render_chat(self.messages,
-                                                               self.engine_session_id)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        if prompt_ids is not None:
+            self.prompt_ids = prompt_ids
+        else:
+            try:
+                self.prompt_ids = await self.gw.engine.render_chat(self.messages,
+                                                                   self.engine_session_id)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages", code="invalid_value") from None
         max_tokens = self.gw.check_prompt(self.prompt_ids, max_tokens, clamp=clamp_max_tokens)
         self.params = sampling_params(max_tokens=max_tokens, **sampling)
+        assert self.gw.engine.info is not None
+        try:  # what the engine would refuse, refused before anything is streamed
+            self.gw.engine.info.validate(self.prompt_ids, self.params)
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
 
     async def start(self) -> None:
         """Admit the turn under the tenant's limits (429) and lock its session (409); a session

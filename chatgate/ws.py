@@ -223,7 +223,10 @@ class WSConnection:
         await turn.prepare(max_tokens=p.max_tokens, clamp_max_tokens=True,
                            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
                            stop=[p.stop] if isinstance(p.stop, str) else p.stop,
-                           ignore_eos=p.ignore_eos)
+                           ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty,
+                           frequency_penalty=p.frequency_penalty,
+                           repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
+                           min_tokens=p.min_tokens)
         await turn.start()
         return turn
 

@@ -24,5 +24,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
                              "(prompt plus at least one generated token)")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if params.stop and not self.has_tokenizer:
             raise ValueError("stop strings need a tokenizer; this model has none")

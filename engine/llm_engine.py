@@ -204,7 +204,10 @@ class LLMEngine:
             logits = logits[torch.tensor(rows, device=logits.device)]
         keys = [draw_key(s.seed, s.num_tokens - s.num_prompt_tokens) if s.seed is not None
                 else None for s in sampled]
-        token_ids, logprobs = sample(logits, [s.params for s in sampled], keys)
+        histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids)
+                     if s.params.shapes_logits else ((), ()) for s in sampled]
+        token_ids, logprobs = sample(logits, [s.params for s in sampled], keys, histories,
+                                     self.eos_token_ids)
 
         touched: dict[str, _Request] = {}
         for seq, token_id, logprob in zip(sampled, token_ids, logprobs, strict=True):

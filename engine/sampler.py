@@ -9,11 +9,13 @@ Invariants of :func:`sample`:
   noise: a seeded request yields the same tokens whatever else shares the batch, on CPU and
   GPU alike, and after a preemption recomputes it;
 - a token that temperature/top-k/top-p/min-p left with probability 0 is never drawn;
-- logprobs are those of the raw logits (no temperature or filtering), as OpenAI and vLLM report;
+- penalties, ``logit_bias`` and ``min_tokens`` (:func:`shape_logits`) change the logits every
+  row (greedy too) chooses from; a row without them is untouched;
+- logprobs are those of the raw logits (no penalty, temperature or filtering), as vLLM reports;
 - on an accelerator the host waits once, for the final ``.tolist()``.
 """
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -39,17 +41,25 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     keys: Sequence[int | None],
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+    eos_token_ids: Collection[int] = (),
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Draw one token per row of ``logits`` ``[num_rows, vocab]`` (any float dtype and device).
 
     Row ``i`` follows ``params[i]`` and draws with noise key ``keys[i]`` (see :func:`draw_key`)
     or, if it is None, a key from torch's global RNG. Returns the token ids and, per row, a
     :class:`TokenLogprob` when ``params[i].logprobs`` is not None (``top``: that many best
-    tokens, descending), else None.
+    tokens, descending), else None. A row whose params shape its logits (penalties,
+    ``logit_bias``, ``min_tokens``; see :func:`shape_logits`) needs ``histories[i]`` = its
+    (prompt ids, output ids so far); ``eos_token_ids`` are held back until ``min_tokens``.
     """
     num_rows = logits.shape[0]
     if not len(params) == len(keys) == num_rows:
         raise ValueError(f"{num_rows} logits rows but {len(params)} params and {len(keys)} keys")
+    raw = logits
+    if any(p.shapes_logits for p in params):
+        assert histories is not None, "penalties need each row's token history"
+        logits = shape_logits(logits, params, histories, eos_token_ids)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(rows) < num_rows:
         tokens = logits.argmax(dim=-1)
@@ -70,7 +80,66 @@ def sample(
         if threshold is not None:
             probs.masked_fill_(probs < threshold, 0.0)
         tokens.index_copy_(0, index, _exponential_race(probs, [keys[i] for i in rows]))
-    return _with_logprobs(logits, tokens, params)
+    return _with_logprobs(raw, tokens, params)
+
+
+def shape_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]],
+    eos_token_ids: Collection[int],
+) -> torch.Tensor:
+    """A float32 copy of ``logits`` with each row's penalties, bias and ``min_tokens`` applied,
+    batched over the rows that have any (others are unchanged), as vLLM and OpenAI define them:
+    ``repetition_penalty`` divides a positive (multiplies a negative) logit of every token
+    seen in the prompt or the output; ``frequency_penalty`` subtracts the token's count in
+    the output, ``presence_penalty`` subtracts once if it occurs there; ``logit_bias`` adds;
+    below ``min_tokens`` outputs the row's stop token ids (and EOS unless ``ignore_eos``) get
+    ``-inf``."""
+    rows = [i for i, p in enumerate(params) if p.shapes_logits]
+    device, vocab = logits.device, logits.shape[1]
+    out = logits.float()  # a copy when the logits are bf16; made one below otherwise
+    if out is logits:
+        out = out.clone()
+    index = torch.tensor(rows, device=device)
+    sub = out.index_select(0, index)
+    chosen = [params[i] for i in rows]
+    outputs = [list(histories[i][1]) for i in rows]
+    counts = _token_counts(outputs, vocab, device)
+    frequency = _column([p.frequency_penalty for p in chosen], device)
+    presence = _column([p.presence_penalty for p in chosen], device)
+    sub -= frequency * counts + presence * (counts > 0)
+    if any(p.repetition_penalty != 1.0 for p in chosen):
+        seen = (counts + _token_counts([list(histories[i][0]) for i in rows], vocab, device)) > 0
+        penalty = _column([p.repetition_penalty for p in chosen], device)
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    at, ids, values = [], [], []
+    for row, (p, output) in enumerate(zip(chosen, outputs, strict=True)):
+        for token, bias in p.logit_bias.items():
+            at.append(row)
+            ids.append(token)
+            values.append(bias)
+        if len(output) < p.min_tokens:
+            held = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            at += [row] * len(held)
+            ids += sorted(held)
+            values += [float("-inf")] * len(held)
+    if at:
+        sub.index_put_((torch.tensor(at, device=device), torch.tensor(ids, device=device)),
+                       torch.tensor(values, device=device), accumulate=True)
+    return out.index_copy_(0, index, sub)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int,
+                  device: torch.device) -> torch.Tensor:
+    """``[len(token_lists), vocab]`` float32: how often each token occurs in each list."""
+    longest = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)  # column vocab: padding
+    if longest:
+        padded = torch.tensor([t + [vocab] * (longest - len(t)) for t in token_lists],
+                              device=device)
+        counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

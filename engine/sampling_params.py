@@ -18,6 +18,11 @@ class SamplingParams:
     max_tokens: int | None = 16
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +46,24 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got "
+                             f"{self.repetition_penalty}")
+        self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()}
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.min_tokens < 0 or (self.max_tokens is not None
+                                   and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether a penalty, a bias or ``min_tokens`` changes this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

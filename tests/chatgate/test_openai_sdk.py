@@ -176,3 +176,105 @@ def test_client_sent_cache_salt_is_ignored(client):
     r = client.chat.completions.create(model=MODEL, messages=msgs("b", system), max_tokens=1,
                                        temperature=0, extra_body={"cache_salt": "two"})
     assert r.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_frequency_penalty_changes_greedy_output(client):
+    m = msgs("Write the word 'hello' twenty times, separated by spaces.")
+    plain = client.chat.completions.create(model=MODEL, messages=m, temperature=0,
+                                           max_tokens=32)
+    penalised = client.chat.completions.create(model=MODEL, messages=m, temperature=0,
+                                               max_tokens=32, frequency_penalty=2.0)
+    text, other = plain.choices[0].message.content, penalised.choices[0].message.content
+    assert text.lower().count("hello") > other.lower().count("hello")
+
+
+def test_logit_bias_and_min_tokens(client):
+    from engine.loader import load_tokenizer
+
+    banana = load_tokenizer("smollm2").encode(" banana", add_special_tokens=False)
+    assert len(banana) == 1
+    r = client.chat.completions.create(model=MODEL, messages=msgs("Say hi."), temperature=0,
+                                       max_tokens=3, logit_bias={str(banana[0]): 100})
+    assert r.choices[0].message.content == " banana" * 3
+    short = client.chat.completions.create(model=MODEL, messages=msgs("Say only: OK"),
+                                           temperature=0, max_tokens=40)
+    assert short.choices[0].finish_reason == "stop"
+    n = short.usage.completion_tokens
+    longer = client.chat.completions.create(model=MODEL, messages=msgs("Say only: OK"),
+                                            temperature=0, max_tokens=40,
+                                            extra_body={"min_tokens": n + 5})
+    assert longer.usage.completion_tokens >= n + 5
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"),
+    ("parallel_tool_calls", True),
+])
+def test_unimplemented_openai_fields_are_refused_by_name(client, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs("Hi"), max_tokens=2,
+                                       extra_body={field: value})
+    assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] == field
+
+
+def test_json_response_format_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs("Hi"), max_tokens=2,
+                                       response_format={"type": "json_object"})
+    assert e.value.body["param"].startswith("response_format")
+    ok = client.chat.completions.create(model=MODEL, messages=msgs("Hi"), max_tokens=2,
+                                        response_format={"type": "text"})
+    assert ok.choices[0].message.content is not None
+
+
+COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def offline_greedy() -> dict[str, tuple[list[int], str]]:
+    """``LLM.generate`` greedy outputs (token ids, text) for ``COMPLETION_PROMPTS``."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM("smollm2", max_model_len=1024, num_kv_blocks=256)
+    outs = llm.generate(COMPLETION_PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
+    ids = [llm.engine.tokenizer.encode(p, add_special_tokens=False) for p in COMPLETION_PROMPTS]
+    return {p: (i, o.outputs[0].text)
+            for p, i, o in zip(COMPLETION_PROMPTS, ids, outs, strict=True)}
+
+
+def test_completions_equal_llm_generate_for_text_and_token_ids(client, offline_greedy):
+    for prompt, (ids, text) in offline_greedy.items():
+        for as_sent in (prompt, ids):
+            r = client.completions.create(model=MODEL, prompt=as_sent, max_tokens=12,
+                                          temperature=0)
+            assert r.object == "text_completion" and r.choices[0].text == text
+            assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 12
+    batch = client.completions.create(model=MODEL, prompt=COMPLETION_PROMPTS, max_tokens=12,
+                                      temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == [offline_greedy[p][1] for p in COMPLETION_PROMPTS]
+
+
+def test_streamed_completions_equal_the_json_ones(client, offline_greedy):
+    stream = client.completions.create(model=MODEL, prompt=COMPLETION_PROMPTS, max_tokens=12,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    texts, finish, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert [texts[0], texts[1]] == [offline_greedy[p][1] for p in COMPLETION_PROMPTS]
+    assert finish == {0: "length", 1: "length"} and usage.completion_tokens == 24
+
+
+@pytest.mark.parametrize("field,value", [("echo", True), ("suffix", "x"), ("logprobs", 2),
+                                         ("best_of", 3)])
+def test_unimplemented_completion_fields_are_refused_by_name(client, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                  extra_body={field: value})
+    assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] == field

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from engine.sampler import _exponential_race, _top_k_top_p_threshold, draw_key, sample
+from engine.sampler import (
+    _exponential_race,
+    _top_k_top_p_threshold,
+    draw_key,
+    sample,
+    shape_logits,
+)
 from engine.sampling_params import SamplingParams
 
 
@@ -228,3 +234,59 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
 def test_mismatched_lengths_are_rejected() -> None:
     with pytest.raises(ValueError, match="params"):
         sample(_logits(2, 10), [SamplingParams()], [None, None])
+
+
+def test_frequency_and_presence_penalties_lower_repeated_tokens() -> None:
+    logits = torch.zeros(1, 8)
+    logits[0, 3] = 1.0  # the greedy choice, until it has been repeated enough
+    params = [SamplingParams(temperature=0.0, frequency_penalty=0.4, presence_penalty=0.1)]
+    assert sample(logits, params, [None], [((), [])])[0] == [3]
+    assert sample(logits, params, [None], [((), [3])])[0] == [3]  # 1 - 0.4 - 0.1 > 0
+    assert sample(logits, params, [None], [((), [3, 3, 3])])[0] != [3]  # 1 - 1.2 - 0.1 < 0
+    shaped = shape_logits(logits, params, [((5, 5), [3, 3, 7])], ())
+    assert shaped[0, 3].item() == pytest.approx(1.0 - 0.8 - 0.1)
+    assert shaped[0, 7].item() == pytest.approx(-0.5)
+    assert shaped[0, 5].item() == 0.0  # prompt tokens are not penalised by these two
+
+
+def test_repetition_penalty_scales_every_seen_token_toward_less_likely() -> None:
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0)]
+    shaped = shape_logits(logits, params, [((0,), [1])], ())
+    assert shaped.tolist() == [[1.0, -4.0, 2.0, -2.0]]
+
+
+def test_logit_bias_and_min_tokens_and_untouched_rows() -> None:
+    logits = _logits(3, 100, seed=4, scale=1.0)
+    eos = 7
+    params = [SamplingParams(temperature=0.0, logit_bias={42: 100.0}),
+              SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[9]),
+              SamplingParams(temperature=0.0)]
+    logits[1, eos] = 50.0
+    histories = [((1,), []), ((1,), [4]), ((), ())]
+    tokens, _ = sample(logits, params, [None] * 3, histories, {eos})
+    assert tokens[0] == 42
+    assert tokens[1] not in (eos, 9)  # one output so far: EOS and stop ids held back
+    assert tokens[2] == logits[2].argmax().item()
+    tokens, _ = sample(logits, params, [None] * 3, [((1,), []), ((1,), [4, 5]), ((), ())],
+                       {eos})
+    assert tokens[1] == eos  # min_tokens reached
+
+
+def test_logprobs_stay_raw_under_penalties() -> None:
+    logits = _logits(1, 50, seed=6)
+    params = [SamplingParams(temperature=0.0, logprobs=1, frequency_penalty=2.0)]
+    top = logits[0].argmax().item()
+    tokens, logprobs = sample(logits, params, [None], [((), [top] * 5)])
+    assert tokens[0] != top
+    raw = torch.log_softmax(logits[0], -1)
+    assert logprobs[0] is not None
+    assert logprobs[0].logprob == pytest.approx(raw[tokens[0]].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [{"presence_penalty": 2.5}, {"frequency_penalty": -3},
+                                    {"repetition_penalty": 0.0}, {"logit_bias": {1: 101}},
+                                    {"min_tokens": -1}, {"min_tokens": 5, "max_tokens": 4}])
+def test_out_of_range_shaping_params_are_rejected(kwargs) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
