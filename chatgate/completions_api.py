@@ -70,6 +70,7 @@ async def completions(request: Request) -> Response:
                            repetition_penalty=req.repetition_penalty,
                            logit_bias=req.logit_bias, min_tokens=req.min_tokens)
         turns.append(turn)
+    request.state.turn_stats = [turn.stats for turn in turns]  # for the access log line
     started: list[Turn] = []
     try:
         for turn in turns:

@@ -11,6 +11,8 @@
   ``body_timeout`` seconds (408, ``request_timeout``: a client trickling its body).
 - **Slow readers**: a response chunk that the client has not taken within ``send_timeout``
   seconds drops the connection; the abandoned stream's engine request is aborted.
+- **Access log**: one line per HTTP request once its response has ended: method, path,
+  status, seconds, and the tokens of the turns it ran (``scope["state"]["turn_stats"]``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class RequestGuard:
                              "gateway with --allowed-origins to allow it.",
                              code="origin_not_allowed")
             await error.response()(scope, receive, send)
+            access_log(scope, error.status, 0.0)
             return
         if scope["type"] == "websocket":
             await self.app(scope, receive, send)
@@ -96,6 +99,7 @@ class RequestGuard:
         error = self._check_http(scope["method"], headers)
         if error is not None:
             await error.response()(scope, receive, send)
+            access_log(scope, error.status, 0.0)
             return
         await self._guarded_http(scope, receive, send)
 
@@ -111,8 +115,10 @@ class RequestGuard:
 
     async def _guarded_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         seen = 0
-        deadline = time.monotonic() + self.body_timeout
+        began = time.monotonic()
+        deadline = began + self.body_timeout
         started = False
+        status = 0
 
         body_done = False
 
@@ -136,9 +142,10 @@ class RequestGuard:
             return msg
 
         async def guarded_send(msg: Message) -> None:
-            nonlocal started
+            nonlocal started, status
             if msg["type"] == "http.response.start":
                 started = True
+                status = msg["status"]
             if msg["type"] != "http.response.body" or not msg.get("more_body", False):
                 await send(msg)
                 return
@@ -151,8 +158,21 @@ class RequestGuard:
             await self.app(scope, guarded_receive, guarded_send)
         except _BodyRefused as e:
             if not started:
+                status = e.error.status
                 await e.error.response()(scope, receive, send)
         except _ClientTooSlow:
             # Returning with the response unfinished makes the server close the connection.
             log.warning("dropped %s %s: the client read nothing for %g s", scope["method"],
                         scope["path"], self.send_timeout)
+        finally:
+            access_log(scope, status, time.monotonic() - began)
+
+
+def access_log(scope: Scope, status: int, seconds: float) -> None:
+    stats = scope.get("state", {}).get("turn_stats") or []
+    tokens = ""
+    if stats:
+        tokens = (f" prompt={sum(s.prompt_tokens for s in stats)}"
+                  f" cached={sum(s.cached_tokens for s in stats)}"
+                  f" completion={sum(s.completion_tokens for s in stats)}")
+    log.info("%s %s %d %.3fs%s", scope["method"], scope["path"], status, seconds, tokens)

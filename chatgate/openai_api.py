@@ -154,6 +154,7 @@ async def chat_completions(request: Request) -> Response:
                        code="model_not_found")
     turn = Turn(gw, tenant, [m.as_template_message() for m in req.messages],
                 session_id=req.session_id, transport="http")
+    request.state.turn_stats = [turn.stats]  # for the access log line
     top_n = req.top_logprobs or 0
     await turn.prepare(max_tokens=req.requested_max_tokens(), clamp_max_tokens=False,
                        n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,

@@ -244,7 +244,7 @@ def _finalize(raw: dict[str, torch.Tensor], config: PretrainedConfig, device: to
         raise ValueError(f"model={model!r}: weights do not match its config "
                          f"(missing {missing[:5]}, wrong shapes {wrong[:5]})")
     out: dict[str, torch.Tensor] = {}
-    for k in tqdm(wanted, desc=f"Moving weights to {device}", unit="tensor", leave=False):
+    for k in tqdm(wanted, desc=f"Moving weights to {device}", unit="tensor", leave=True):
         out[k] = raw[k].to(device=device, dtype=dtype).contiguous()
     if tied:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
@@ -261,7 +261,7 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     handles = [safe_open(str(file), framework="pt", device="cpu") for file in files]
     with tqdm(total=sum(len(h.keys()) for h in handles), desc=f"Loading {folder.name}",
-              unit="tensor", leave=False) as bar:
+              unit="tensor", leave=True) as bar:
         for handle in handles:
             for key in handle.keys():
                 tensors[key] = handle.get_tensor(key)
@@ -418,7 +418,7 @@ def _random_weights(config: PretrainedConfig, device: torch.device, dtype: torch
     tied = bool(getattr(config, "tie_word_embeddings", False))
     out: dict[str, torch.Tensor] = {}
     for name, shape in tqdm(_expected_shapes(config).items(), desc="Creating dummy weights",
-                            unit="tensor", leave=False):
+                            unit="tensor", leave=True):
         if tied and name == "lm_head.weight":
             continue
         if name.endswith("norm.weight"):

@@ -55,7 +55,8 @@ def test_stream_equals_non_stream_under_greedy(client, server):
     assert chunks[-1].choices == []
     assert usage.completion_tokens == full.usage.completion_tokens
     assert usage.prompt_tokens == full.usage.prompt_tokens
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    # the same prompt was just answered: every full block before the last token is cached
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -278,3 +279,14 @@ def test_unimplemented_completion_fields_are_refused_by_name(client, field, valu
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
                                   extra_body={field: value})
     assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] == field
+
+
+def test_each_request_gets_one_access_log_line_with_its_tokens(client, server):
+    httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEYS['alice']}"})
+    r = client.chat.completions.create(model=MODEL, messages=msgs("Say hi."), temperature=0,
+                                       max_tokens=3)
+    log = server.log()
+    assert "GET /v1/models 200 " in log
+    line = [ln for ln in log.splitlines() if "POST /v1/chat/completions 200 " in ln][-1]
+    assert line.endswith(f"prompt={r.usage.prompt_tokens} cached="
+                         f"{r.usage.prompt_tokens_details.cached_tokens} completion=3")
