@@ -2,8 +2,8 @@
 growth, copy-on-write and release.
 
 A sequence may write into a block in place only when it is the block's sole holder and the block
-is not published in the prefix cache; otherwise the block is copied first (the copy is queued in
-``pending_copies`` for the model runner to perform before the next forward pass).
+is not published in the prefix cache; otherwise the block is copied first (the copy is queued
+for the model runner, which takes it with ``take_pending_copies`` before the next forward pass).
 """
 
 from dataclasses import dataclass
@@ -45,8 +45,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.sessions = SessionPins(self.pool, pin_budget_blocks, track_pin_changes)
-        self.pending_copies: list[tuple[int, int]] = []
+        self._pins = SessionPins(self.pool, pin_budget_blocks, track_pin_changes)
+        self._pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -73,7 +73,7 @@ class KVCacheManager:
             return 0
 
         if match.pinned is not None:
-            taken = self.sessions.take(match.pinned.session_id)
+            taken = self._pins.take(match.pinned.session_id)
             assert taken is match.pinned
             keep = len(match.blocks)
             self.pool.free(self.pool.blocks[b] for b in reversed(taken.block_ids[keep:]))
@@ -100,11 +100,11 @@ class KVCacheManager:
                     break
                 blocks.append(block)
         best = _PrefixMatch(len(blocks) * self.block_size, blocks, None)
-        pinned = self.sessions.get(seq.session_id) if seq.session_id is not None else None
+        pinned = self._pins.get(seq.session_id) if seq.session_id is not None else None
         if pinned is None:
             return best
         if pinned.cache_salt != seq.cache_salt:
-            self.sessions.release(pinned.session_id)
+            self._pins.release(pinned.session_id)
             return best
         lcp = _common_prefix(seq.token_ids, pinned.token_ids, seq.num_tokens - 1)
         if lcp <= best.num_tokens:
@@ -127,7 +127,7 @@ class KVCacheManager:
         if copy:
             old = self.pool.blocks[seq.block_table[write_index]]
             new = self.pool.allocate(1)[0]
-            self.pending_copies.append((old.block_id, new.block_id))
+            self._pending_copies.append((old.block_id, new.block_id))
             seq.block_table[write_index] = new.block_id
             self.pool.free([old])
         if needed > 0:
@@ -179,7 +179,7 @@ class KVCacheManager:
         assert seq.session_id is not None
         keep = _cdiv(seq.num_computed_tokens, self.block_size)
         self.pool.free(self.pool.blocks[b] for b in reversed(seq.block_table[keep:]))
-        self.sessions.pin(PinnedSession(
+        self._pins.pin(PinnedSession(
             session_id=seq.session_id,
             token_ids=seq.token_ids[: seq.num_computed_tokens],
             block_ids=seq.block_table[:keep],
@@ -187,6 +187,41 @@ class KVCacheManager:
         ))
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    # -- session pins and pending copies: what the scheduler and the engine may touch --------
+
+    def pinned(self, session_id: str) -> PinnedSession | None:
+        return self._pins.get(session_id)
+
+    def pinned_sessions(self) -> list[PinnedSession]:
+        """Every pin, least recently used first."""
+        return list(self._pins.pins.values())
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks held by at least one pin."""
+        return self._pins.num_pinned_blocks
+
+    @property
+    def pin_budget_blocks(self) -> int:
+        return self._pins.budget_blocks
+
+    def release_pin(self, session_id: str) -> bool:
+        """Unpin a session (its full blocks stay in the prefix cache); False if not pinned."""
+        return self._pins.release(session_id)
+
+    def release_lru_pin(self, keep: str | None = None) -> bool:
+        """Unpin the least recently used session other than ``keep``; False if none."""
+        return self._pins.release_lru(keep)
+
+    def take_pin_changes(self) -> dict[str, list[int] | None]:
+        """Sessions pinned (their token ids) or unpinned (None) since the last call."""
+        return self._pins.take_changes()
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """``(src, dst)`` block copies the model runner must do before the next forward."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
 
     # -- measurement -------------------------------------------------------------------------
 
@@ -196,7 +231,7 @@ class KVCacheManager:
         full: set[int] = set()
         partial: dict[int, int] = {}  # block id -> most tokens any holder has in it
         holders = [(s.block_table, s.num_computed_tokens) for s in seqs]
-        holders += [(p.block_ids, len(p.token_ids)) for p in self.sessions.pins.values()]
+        holders += [(p.block_ids, len(p.token_ids)) for p in self._pins.pins.values()]
         for table, computed in holders:
             num_full, rest = divmod(computed, bs)
             full.update(table[:num_full])

@@ -155,12 +155,12 @@ class LLMEngine:
         return self._delta_output(request, finished=True)
 
     def release_session(self, session_id: str) -> bool:
-        return self.kv.sessions.release(session_id)
+        return self.kv.release_pin(session_id)
 
     def take_pin_changes(self) -> dict[str, list[int] | None]:
         """Sessions pinned (their token ids) or unpinned (None) since the last call; empty
         unless the engine was made with ``track_pin_changes``."""
-        return self.kv.sessions.take_changes()
+        return self.kv.take_pin_changes()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -309,7 +309,7 @@ class LLMEngine:
         ``session_id`` where they still fit (see ``engine.chat.render_chat``)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
-        pinned = self.kv.sessions.get(session_id) if session_id is not None else None
+        pinned = self.kv.pinned(session_id) if session_id is not None else None
         return render_chat(self.tokenizer, messages,
                            pinned.token_ids if pinned is not None else None)
 
@@ -326,8 +326,8 @@ class LLMEngine:
             block_size=self.config.block_size,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
-            num_pinned_sessions=len(self.kv.sessions.pins),
-            num_pinned_blocks=self.kv.sessions.num_pinned_blocks,
+            num_pinned_sessions=len(self.kv.pinned_sessions()),
+            num_pinned_blocks=self.kv.num_pinned_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefill_tokens_computed=self.num_prefill_tokens,
             num_decode_tokens_computed=self.num_decode_tokens,

@@ -53,7 +53,7 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.grow(seq, num_new):
-                if self.kv.sessions.release_lru():
+                if self.kv.release_lru_pin():
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -73,8 +73,8 @@ class Scheduler:
             seq = self.waiting[0]
             num_new = self.kv.admit(seq, budget)
             while num_new == 0:
-                if not (self.kv.sessions.release_lru(keep=seq.session_id)
-                        or (not self.running and self.kv.sessions.release_lru())):
+                if not (self.kv.release_lru_pin(keep=seq.session_id)
+                        or (not self.running and self.kv.release_lru_pin())):
                     break
                 num_new = self.kv.admit(seq, budget)
             if num_new == 0:
@@ -87,8 +87,7 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
 
-        batch.copies = self.kv.pending_copies
-        self.kv.pending_copies = []
+        batch.copies = self.kv.take_pending_copies()
         return batch
 
     def _preempt(self, seq: Sequence) -> None:

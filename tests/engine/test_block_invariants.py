@@ -45,12 +45,12 @@ class BlockMachine(RuleBasedStateMachine):
         self.scheduler.add(seq)
         self.live.append(seq)
 
-    @precondition(lambda self: bool(self.kv.sessions.pins))
+    @precondition(lambda self: bool(self.kv.pinned_sessions()))
     @rule(data=st.data(), tail=st.lists(st.integers(0, 3), min_size=1, max_size=6))
     def continue_session(self, data: st.DataObject, tail: list[int]) -> None:
         """A next turn (keep everything) or a regenerate/edit (keep a shorter prefix, which may
         end inside a block) of a pinned session."""
-        pinned = data.draw(st.sampled_from(list(self.kv.sessions.pins.values())))
+        pinned = data.draw(st.sampled_from(list(self.kv.pinned_sessions())))
         keep = data.draw(st.integers(1, len(pinned.token_ids)))
         self.counter += 1
         seq = Sequence(str(self.counter), 0, pinned.token_ids[:keep] + tail, SamplingParams(),
@@ -92,11 +92,11 @@ class BlockMachine(RuleBasedStateMachine):
 
     @rule(session=st.sampled_from(SESSIONS))
     def release_session(self, session: str) -> None:
-        self.kv.sessions.release(session)
+        self.kv.release_pin(session)
 
     @rule()
     def evict_lru_pin(self) -> None:
-        self.kv.sessions.release_lru()
+        self.kv.release_lru_pin()
 
     @precondition(lambda self: bool(self.scheduler.running))
     @rule()
@@ -109,7 +109,7 @@ class BlockMachine(RuleBasedStateMachine):
         holders: Counter[int] = Counter()
         for seq in self.live:
             holders.update(seq.block_table)
-        for pinned in self.kv.sessions.pins.values():
+        for pinned in self.kv.pinned_sessions():
             holders.update(pinned.block_ids)
         return holders
 
@@ -138,7 +138,7 @@ class BlockMachine(RuleBasedStateMachine):
         for seq in self.live:
             for b in seq.block_table:
                 salts.setdefault(b, set()).add(seq.cache_salt)
-        for pinned in self.kv.sessions.pins.values():
+        for pinned in self.kv.pinned_sessions():
             for b in pinned.block_ids:
                 salts.setdefault(b, set()).add(pinned.cache_salt)
         assert all(len(s) == 1 for s in salts.values()), salts
@@ -151,7 +151,7 @@ class BlockMachine(RuleBasedStateMachine):
 
     @invariant()
     def pin_budget_holds(self) -> None:
-        assert self.kv.sessions.num_pinned_blocks <= self.kv.sessions.budget_blocks
+        assert self.kv.num_pinned_blocks <= self.kv.pin_budget_blocks
 
     def teardown(self) -> None:
         if not hasattr(self, "kv"):
@@ -159,7 +159,7 @@ class BlockMachine(RuleBasedStateMachine):
         for seq in list(self.live):
             self.scheduler.finish(seq)
         for session in SESSIONS:
-            self.kv.sessions.release(session)
+            self.kv.release_pin(session)
         assert self.kv.pool.num_free == NUM_BLOCKS
         assert all(block.ref_cnt == 0 for block in self.kv.pool.blocks)
 

@@ -124,7 +124,7 @@ def test_pins_beyond_budget_are_unpinned_lru_first() -> None:
     for name in ["a", "b", "c", "d"]:
         llm.chat([{"role": "user", "content": f"Session {name}: say hello."}],
                  SamplingParams(temperature=0, max_tokens=8), session_id=name)
-    pins = llm.engine.kv.sessions.pins
+    pins = {p.session_id: p for p in llm.engine.kv.pinned_sessions()}
     assert list(pins)[-1] == "d"
     assert len(pins) < 4
     assert list(pins) == ["a", "b", "c", "d"][-len(pins):]  # the oldest went first
