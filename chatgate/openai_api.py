@@ -162,7 +162,9 @@ async def chat_completions(request: Request) -> Response:
                        ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
                        frequency_penalty=req.frequency_penalty,
                        repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
-                       min_tokens=req.min_tokens)
+                       min_tokens=req.min_tokens,
+                       structured=req.response_format.structured()
+                       if req.response_format is not None else None)
     await turn.start()
     completion = _Completion(gw, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
                              _Logprobs(gw.engine.tokenizer, top_n) if req.logprobs else None)

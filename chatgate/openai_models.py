@@ -3,6 +3,7 @@ extensions. Validation errors become 400s naming the parameter."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import (
@@ -13,6 +14,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from engine.structured import StructuredOutput
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
 
@@ -62,18 +65,41 @@ UNIMPLEMENTED_FIELDS = ("tools", "tool_choice", "functions", "function_call",
                         "web_search_options", "reasoning_effort")
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = "response"
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(BaseModel):
-    """Only plain text: JSON mode and JSON schemas need constrained decoding, not built yet."""
+    """``text`` (the default), ``json_object`` (any JSON object) or ``json_schema``: the
+    latter two through grammar-constrained decoding."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput(json_object=True)
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return StructuredOutput(json_schema=json.dumps(self.json_schema.schema_ or {}))
+        return None
 
 
 class ChatCompletionRequest(BaseModel):
     """``POST /v1/chat/completions``. Unknown fields are accepted and ignored (as vLLM does;
     ``cache_salt`` on purpose: the salt is the server's), but the OpenAI fields this server
-    does not implement (``UNIMPLEMENTED_FIELDS``, JSON ``response_format``) are refused by name
-    rather than silently dropped."""
+    does not implement (``UNIMPLEMENTED_FIELDS``) are refused by name rather than silently
+    dropped."""
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
@@ -205,6 +231,7 @@ class WSParams(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     logit_bias: dict[int, float] | None = None
     min_tokens: int | None = Field(default=None, ge=0)
+    response_format: ResponseFormat | None = None
 
     _check_stop = field_validator("stop")(ChatCompletionRequest._check_stop.__func__)  # type: ignore[attr-defined]
     _check_logit_bias = field_validator("logit_bias")(

@@ -226,7 +226,9 @@ class WSConnection:
                            ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty,
                            frequency_penalty=p.frequency_penalty,
                            repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
-                           min_tokens=p.min_tokens)
+                           min_tokens=p.min_tokens,
+                           structured=p.response_format.structured()
+                           if p.response_format is not None else None)
         await turn.start()
         return turn
 

@@ -23,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
+from engine.structured import GrammarCompiler, constrain
 
 logger = logging.getLogger("engine")
 
@@ -84,6 +85,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    admission_batch)
         self.eos_token_ids = self._eos_token_ids()
+        self._grammar_compiler: GrammarCompiler | None = None
         self.info = EngineInfo(
             model_name=self.model_name, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None,
@@ -102,6 +104,13 @@ class LLMEngine:
             elif isinstance(eos, list):
                 ids.update(eos)
         return ids
+
+    def _grammars(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("structured output needs a tokenizer; this model has none")
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammar_compiler
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -131,6 +140,8 @@ class LLMEngine:
             seqs.append(Sequence(request_id, index, prompt_token_ids, params, seed,
                                  session_id=session_id if index == 0 else None,
                                  cache_salt=cache_salt))
+            if params.structured is not None:
+                seqs[-1].matcher = self._grammars().matcher(params.structured)
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
             if self.tokenizer is not None else None
@@ -206,8 +217,10 @@ class LLMEngine:
                 else None for s in sampled]
         histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids)
                      if s.params.shapes_logits else ((), ()) for s in sampled]
-        token_ids, logprobs = sample(logits, [s.params for s in sampled], keys, histories,
-                                     self.eos_token_ids)
+        matchers = [s.matcher for s in sampled]
+        token_ids, logprobs = sample(
+            logits, [s.params for s in sampled], keys, histories, self.eos_token_ids,
+            (lambda x: constrain(x, matchers)) if any(m is not None for m in matchers) else None)
 
         touched: dict[str, _Request] = {}
         for seq, token_id, logprob in zip(sampled, token_ids, logprobs, strict=True):
@@ -230,6 +243,8 @@ class LLMEngine:
     def _append_token(self, request: _Request, seq: Sequence, token_id: int,
                       logprob: TokenLogprob | None) -> None:
         seq.token_ids.append(token_id)
+        if seq.matcher is not None:
+            seq.matcher.accept_token(token_id)
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
             seq.cumulative_logprob += logprob.logprob
@@ -248,6 +263,8 @@ class LLMEngine:
                 seq.finish_reason = "length"
             elif seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
+            elif seq.matcher is not None and seq.matcher.is_terminated():
+                seq.finish_reason = "stop"  # the grammar is complete
         if seq.finish_reason is not None:
             if detok is not None and detok.stop_reason is None:
                 request.unsent_text[seq.index] += detok.flush()

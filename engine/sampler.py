@@ -15,7 +15,7 @@ Invariants of :func:`sample`:
 - on an accelerator the host waits once, for the final ``.tolist()``.
 """
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -43,6 +43,7 @@ def sample(
     keys: Sequence[int | None],
     histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     eos_token_ids: Collection[int] = (),
+    constrain: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Draw one token per row of ``logits`` ``[num_rows, vocab]`` (any float dtype and device).
 
@@ -52,6 +53,7 @@ def sample(
     tokens, descending), else None. A row whose params shape its logits (penalties,
     ``logit_bias``, ``min_tokens``; see :func:`shape_logits`) needs ``histories[i]`` = its
     (prompt ids, output ids so far); ``eos_token_ids`` are held back until ``min_tokens``.
+    ``constrain`` (grammar masks) maps the logits to the ones rows choose from, last.
     """
     num_rows = logits.shape[0]
     if not len(params) == len(keys) == num_rows:
@@ -60,6 +62,8 @@ def sample(
     if any(p.shapes_logits for p in params):
         assert histories is not None, "penalties need each row's token history"
         logits = shape_logits(logits, params, histories, eos_token_ids)
+    if constrain is not None:
+        logits = constrain(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(rows) < num_rows:
         tokens = logits.argmax(dim=-1)

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from engine.structured import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -23,6 +25,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    structured: StructuredOutput | None = None  # grammar-constrained output (JSON)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

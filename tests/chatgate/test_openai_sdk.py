@@ -219,15 +219,6 @@ def test_unimplemented_openai_fields_are_refused_by_name(client, field, value):
     assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] == field
 
 
-def test_json_response_format_is_refused(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=msgs("Hi"), max_tokens=2,
-                                       response_format={"type": "json_object"})
-    assert e.value.body["param"].startswith("response_format")
-    ok = client.chat.completions.create(model=MODEL, messages=msgs("Hi"), max_tokens=2,
-                                        response_format={"type": "text"})
-    assert ok.choices[0].message.content is not None
-
 
 COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 

@@ -1,0 +1,89 @@
+"""Structured outputs: grammar-constrained decoding with xgrammar (what vLLM and SGLang use).
+
+A request whose ``SamplingParams.structured`` is set gets one ``GrammarMatcher`` per sample.
+Each step, the rows that have one get a token bitmask (``fill_next_token_bitmask``) applied to
+the logits they choose from, so only tokens that keep the output a valid prefix of the grammar
+can be drawn; the chosen token is then accepted by the matcher, and a matcher that has reached
+the end of its grammar finishes its sample (``stop``). Compiled grammars are cached by their
+specification. xgrammar is imported on first use, so the engine runs without it until a request
+asks for structured output.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must be: any JSON object (``json_object``), or JSON matching
+    ``json_schema`` (a JSON Schema, serialized)."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.json_schema is None) == (not self.json_object):
+            raise ValueError("structured output needs exactly one of json_schema, json_object")
+        if self.json_schema is not None:
+            try:
+                json.loads(self.json_schema)
+            except ValueError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError("structured output needs the xgrammar package "
+                         "(pip install xgrammar)") from None
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles and caches grammars for one tokenizer and vocabulary size."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler: Any = None
+
+    def matcher(self, spec: StructuredOutput) -> Any:
+        """A fresh ``GrammarMatcher`` for ``spec``; ``ValueError`` if it cannot be compiled."""
+        xgr = _xgrammar()
+        try:
+            return xgr.GrammarMatcher(self._compile(spec))
+        except RuntimeError as e:  # xgrammar's error for a schema it cannot handle
+            raise ValueError(f"json_schema cannot be compiled: {e}") from None
+
+    @cache  # noqa: B019 - one compiler per engine; grammars live as long as it
+    def _compile(self, spec: StructuredOutput) -> Any:
+        xgr = _xgrammar()
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info)
+        if spec.json_object:
+            return self._compiler.compile_builtin_json_grammar()
+        return self._compiler.compile_json_schema(spec.json_schema)
+
+
+def constrain(logits: torch.Tensor, matchers: Sequence[Any | None]) -> torch.Tensor:
+    """``logits`` with every row that has a matcher masked to the tokens its grammar allows
+    next (a float32 copy when any row is masked; the same tensor otherwise)."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    xgr = _xgrammar()
+    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[1])
+    for i in rows:
+        matchers[i].fill_next_token_bitmask(bitmask, i)
+    out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), indices=rows)
+    return out
