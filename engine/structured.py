@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+MAX_WHITESPACE = 16  # whitespace characters allowed between two JSON tokens
+
 
 @dataclass(frozen=True)
 class StructuredOutput:
@@ -69,9 +71,10 @@ class GrammarCompiler:
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info)
-        if spec.json_object:
-            return self._compiler.compile_builtin_json_grammar()
-        return self._compiler.compile_json_schema(spec.json_schema)
+        schema = '{"type": "object"}' if spec.json_object else spec.json_schema
+        # bounded whitespace between tokens: a weak model under a grammar that allows any
+        # amount of it can fill max_tokens with blank lines and never close the object
+        return self._compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
 
 
 def constrain(logits: torch.Tensor, matchers: Sequence[Any | None]) -> torch.Tensor:

@@ -129,3 +129,10 @@ def test_soak_quick(tmp_path, tiny_model, capsys):
     assert _load("soak").main(["--quick", "--model", tiny_model, "--out", str(tmp_path)]) == 0
     _check(tmp_path, "soak", capsys, "KV blocks in use after the load and every session "
            "deleted: 0")
+
+
+def test_structured_quick(tmp_path, tiny_model, capsys):
+    pytest.importorskip("xgrammar")
+    assert _load("structured").main(["--quick", "--model", tiny_model, "--out",
+                                     str(tmp_path)]) == 0
+    _check(tmp_path, "structured_quick", capsys, "(a) JSON schema", "vs (b)")
