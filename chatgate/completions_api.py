@@ -14,15 +14,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from chatgate.auth import authenticate
-from chatgate.body import parse_json
-from chatgate.errors import APIError, from_validation_error
-from chatgate.openai_api import TurnStreamingResponse, gateway, until_disconnect
+from chatgate.errors import APIError
+from chatgate.openai_api import (
+    TurnStreamingResponse,
+    gateway,
+    parse_request,
+    until_disconnect,
+)
 from chatgate.openai_models import CompletionRequest
 from chatgate.turn import Turn
 from engine import RequestOutput
@@ -38,17 +41,7 @@ def _finish_reason(reason: str | None) -> str | None:
 async def completions(request: Request) -> Response:
     gw = gateway(request)
     tenant = authenticate(request, gw.tenants)
-    try:
-        req = CompletionRequest.model_validate(parse_json(await request.body()))
-    except ValidationError as e:
-        raise from_validation_error(e) from None
-    unimplemented = req.unimplemented_field()
-    if unimplemented is not None:
-        raise APIError(400, f"{unimplemented} is not supported by this server.",
-                       param=unimplemented, code="unsupported_parameter")
-    if not gw.accepts_model(req.model):
-        raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
-                       code="model_not_found")
+    req = parse_request(CompletionRequest, await request.body(), gw)
     turns = []
     for prompt in req.prompts():
         if isinstance(prompt, str):
@@ -63,12 +56,7 @@ async def completions(request: Request) -> Response:
                            code="invalid_value")
         turn = Turn(gw, tenant, [], session_id=None, transport="http")
         await turn.prepare(prompt_ids=ids, max_tokens=req.max_tokens, clamp_max_tokens=False,
-                           n=req.n, temperature=req.temperature, top_p=req.top_p,
-                           top_k=req.top_k, seed=req.seed, stop=req.stop,
-                           ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
-                           frequency_penalty=req.frequency_penalty,
-                           repetition_penalty=req.repetition_penalty,
-                           logit_bias=req.logit_bias, min_tokens=req.min_tokens)
+                           n=req.n, **req.sampling())
         turns.append(turn)
     request.state.turn_stats = [turn.stats for turn in turns]  # for the access log line
     started: list[Turn] = []
@@ -83,11 +71,7 @@ async def completions(request: Request) -> Response:
     body = _Body(gw.model_name, req.n or 1)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return TurnStreamingResponse(_events(turns, body, include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache",
-                                              "X-Accel-Buffering": "no"},
-                                     release=turns)
+        return TurnStreamingResponse(_events(turns, body, include_usage), release=turns)
     try:
         finals = await until_disconnect(request, asyncio.ensure_future(_collect(turns)))
     finally:

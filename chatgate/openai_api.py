@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from pydantic import ValidationError
@@ -27,7 +27,7 @@ from starlette.types import Send
 from chatgate.auth import authenticate
 from chatgate.body import parse_json
 from chatgate.errors import APIError, from_validation_error
-from chatgate.openai_models import ChatCompletionRequest
+from chatgate.openai_models import ChatCompletionRequest, CompletionRequest
 from chatgate.service import Gateway
 from chatgate.turn import Turn
 from engine import RequestOutput, TokenLogprob
@@ -41,6 +41,29 @@ def gateway(request: Request) -> Gateway:
     if gw is None:
         raise APIError(503, "The engine is still loading; retry shortly.", code="not_ready")
     return gw
+
+
+Req = TypeVar("Req", ChatCompletionRequest, CompletionRequest)
+
+
+def parse_request(model: type[Req], raw: bytes, gw: Gateway) -> Req:
+    """The body as ``model``: 400 for bad JSON or fields, for an OpenAI field this server
+    does not implement (named), 404 for a model it does not serve."""
+    body = parse_json(raw)
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    unimplemented = req.unimplemented_field()
+    if unimplemented is not None:
+        raise APIError(400, f"{unimplemented} is not supported by this server.",
+                       param=unimplemented, code="unsupported_parameter")
+    if not gw.accepts_model(req.model):
+        raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
+                       code="model_not_found")
+    return req
 
 
 async def list_models(request: Request) -> Response:
@@ -138,42 +161,19 @@ async def until_disconnect(request: Request, task: asyncio.Task) -> Any:
 async def chat_completions(request: Request) -> Response:
     gw = gateway(request)
     tenant = authenticate(request, gw.tenants)
-    body = parse_json(await request.body())
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
-    try:
-        req = ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
-    unimplemented = req.unimplemented_field()
-    if unimplemented is not None:
-        raise APIError(400, f"{unimplemented} is not supported by this server.",
-                       param=unimplemented, code="unsupported_parameter")
-    if not gw.accepts_model(req.model):
-        raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
-                       code="model_not_found")
+    req = parse_request(ChatCompletionRequest, await request.body(), gw)
     turn = Turn(gw, tenant, [m.as_template_message() for m in req.messages],
                 session_id=req.session_id, transport="http")
     request.state.turn_stats = [turn.stats]  # for the access log line
     top_n = req.top_logprobs or 0
     await turn.prepare(max_tokens=req.requested_max_tokens(), clamp_max_tokens=False,
-                       n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                       seed=req.seed, stop=req.stop, logprobs=top_n if req.logprobs else None,
-                       ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
-                       frequency_penalty=req.frequency_penalty,
-                       repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
-                       min_tokens=req.min_tokens,
-                       structured=req.response_format.structured()
-                       if req.response_format is not None else None)
+                       n=req.n, logprobs=top_n if req.logprobs else None, **req.sampling())
     await turn.start()
     completion = _Completion(gw, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
                              _Logprobs(gw.engine.tokenizer, top_n) if req.logprobs else None)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return TurnStreamingResponse(_sse_events(turn, completion, include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache",
-                                              "X-Accel-Buffering": "no"},
                                      release=[turn])
     try:
         final = await until_disconnect(request, asyncio.ensure_future(_collect(turn)))
@@ -186,19 +186,20 @@ async def chat_completions(request: Request) -> Response:
 
 
 class TurnStreamingResponse(StreamingResponse):
-    """SSE for turns: closes its event generator however the streaming ends, so the turns'
-    ``finally`` (abort the engine requests, release the turns) runs at once when a send fails
-    (a client that disconnected, or one dropped for not reading), not whenever the generator
-    is collected; and releases the turns after the response even if the client left before
-    the generator ever started."""
+    """SSE (``text/event-stream``, not cached or buffered by proxies) for turns. It closes its
+    event generator however the streaming ends, so the turns' ``finally`` (abort the engine
+    requests, release the turns) runs at once when a send fails (a client that disconnected,
+    or one dropped for not reading), not whenever the generator is collected; and it releases
+    the turns after the response even if the client left before the generator started."""
 
-    def __init__(self, content: AsyncIterator[bytes], *, release: list[Turn],
-                 **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[bytes], *, release: list[Turn]) -> None:
         def release_all() -> None:
             for turn in release:
                 turn.release()
 
-        super().__init__(content, background=BackgroundTask(release_all), **kwargs)
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                         background=BackgroundTask(release_all))
 
     async def stream_response(self, send: Send) -> None:
         try:

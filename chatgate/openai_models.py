@@ -95,37 +95,22 @@ class ResponseFormat(BaseModel):
         return None
 
 
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions``. Unknown fields are accepted and ignored (as vLLM does;
-    ``cache_salt`` on purpose: the salt is the server's), but the OpenAI fields this server
-    does not implement (``UNIMPLEMENTED_FIELDS``) are refused by name rather than silently
-    dropped."""
+class SamplingFields(BaseModel):
+    """The sampling fields chat completions, text completions and WebSocket ``params`` share;
+    :meth:`sampling` gives them to ``Turn.prepare``."""
 
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
-
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    stream: StrictBool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
     seed: int | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: StrictBool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     logit_bias: dict[int, float] | None = None
     min_tokens: int | None = Field(default=None, ge=0)
-    response_format: ResponseFormat | None = None
-    user: str | None = None
-    session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     ignore_eos: StrictBool | None = False
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
@@ -146,6 +131,39 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("logit_bias values must be in [-100, 100]")
         return v
 
+    def sampling(self) -> dict[str, Any]:
+        """Keyword arguments for ``Turn.prepare`` (None: the engine's default)."""
+        return {
+            "stop": self.stop, "seed": self.seed, "temperature": self.temperature,
+            "top_p": self.top_p, "top_k": self.top_k, "ignore_eos": self.ignore_eos,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
+            "min_tokens": self.min_tokens,
+            "structured": self.response_format.structured() if self.response_format else None,
+        }
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``. Unknown fields are accepted and ignored (as vLLM does;
+    ``cache_salt`` on purpose: the salt is the server's), but the OpenAI fields this server
+    does not implement (``UNIMPLEMENTED_FIELDS``) are refused by name rather than silently
+    dropped."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(default=1, ge=1, le=16)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    user: str | None = None
+    session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
+
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
@@ -161,7 +179,7 @@ class ChatCompletionRequest(BaseModel):
         return self.max_completion_tokens or self.max_tokens
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(SamplingFields):
     """``POST /v1/completions`` (OpenAI's legacy text completions): a prompt as text, token
     ids, or a list of either (one choice group per prompt). ``echo``, ``suffix``, ``logprobs``
     and a ``best_of`` other than ``n`` are refused by name (not implemented)."""
@@ -174,26 +192,11 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=1, ge=1, le=16)
     best_of: int | None = Field(default=None, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
     max_tokens: int | None = Field(default=16, ge=1)
     echo: StrictBool | None = False
     suffix: str | None = None
     logprobs: int | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    logit_bias: dict[int, float] | None = None
-    min_tokens: int | None = Field(default=None, ge=0)
     user: str | None = None
-    ignore_eos: StrictBool | None = False
-
-    _check_stop = field_validator("stop")(ChatCompletionRequest._check_stop.__func__)  # type: ignore[attr-defined]
-    _check_logit_bias = field_validator("logit_bias")(
-        ChatCompletionRequest._check_logit_bias.__func__)  # type: ignore[attr-defined]
 
     def unimplemented_field(self) -> str | None:
         if self.echo:
@@ -214,28 +217,12 @@ class CompletionRequest(BaseModel):
         return list(p)  # type: ignore[arg-type]
 
 
-class WSParams(BaseModel):
+class WSParams(SamplingFields):
     """``params`` of a WebSocket ``message``/``regenerate`` event."""
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
     max_tokens: int | None = Field(default=None, ge=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: StrictBool | None = False
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    logit_bias: dict[int, float] | None = None
-    min_tokens: int | None = Field(default=None, ge=0)
-    response_format: ResponseFormat | None = None
-
-    _check_stop = field_validator("stop")(ChatCompletionRequest._check_stop.__func__)  # type: ignore[attr-defined]
-    _check_logit_bias = field_validator("logit_bias")(
-        ChatCompletionRequest._check_logit_bias.__func__)  # type: ignore[attr-defined]
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

@@ -220,15 +220,7 @@ class WSConnection:
         assert self.tenant is not None and self.session is not None
         p = self._params(event)
         turn = Turn(self.gw, self.tenant, messages, session_id=self.session.id, transport="ws")
-        await turn.prepare(max_tokens=p.max_tokens, clamp_max_tokens=True,
-                           temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                           stop=[p.stop] if isinstance(p.stop, str) else p.stop,
-                           ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty,
-                           frequency_penalty=p.frequency_penalty,
-                           repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
-                           min_tokens=p.min_tokens,
-                           structured=p.response_format.structured()
-                           if p.response_format is not None else None)
+        await turn.prepare(max_tokens=p.max_tokens, clamp_max_tokens=True, **p.sampling())
         await turn.start()
         return turn
 

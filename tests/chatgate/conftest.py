@@ -80,3 +80,14 @@ def server(tmp_path_factory: pytest.TempPathFactory, tenants_file: Path, redis_p
     finally:
         srv.stop()
         redis_delete_prefix(redis_prefix)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official ``openai`` SDK on the shared gateway, as tenant alice."""
+    import openai
+
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS["alice"], max_retries=0,
+                      timeout=300)
+    yield c
+    c.close()

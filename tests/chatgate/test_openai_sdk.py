@@ -12,14 +12,6 @@ from chatgate_testlib import KEYS
 MODEL = "smollm2"
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS["alice"], max_retries=0,
-                      timeout=120)
-    yield c
-    c.close()
-
-
 def msgs(user: str, system: str | None = None) -> list[dict]:
     head = [{"role": "system", "content": system}] if system else []
     return head + [{"role": "user", "content": user}]

@@ -30,14 +30,6 @@ class Person(BaseModel):
     field: str
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS["alice"], max_retries=0,
-                      timeout=300)
-    yield c
-    c.close()
-
-
 def ask(person: str) -> list[dict]:
     return [{"role": "user", "content": f"Give {person}'s name, birth year and field as JSON."}]
 
