@@ -22,7 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine.llm_engine as llm_engine_module  # noqa: E402
 from benchmarks.gpu_e2e import copy_bandwidth, decode_step_roofline  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.loader import load_model  # noqa: E402
@@ -84,10 +83,9 @@ def main() -> None:
         sys.exit("decode_power.py needs a CUDA GPU (it replays the engine's decode graphs)")
     device = torch.device("cuda")
     loaded = load_model(args.model, device, torch.bfloat16, seed=0, use_cache=False)
-    llm_engine_module.load_model = lambda *a, **k: loaded
     llm = LLM(model=args.model, device="cuda", dtype="bfloat16", max_num_seqs=args.batch,
               max_num_batched_tokens=8192, max_model_len=max(2048, max(args.ctx)),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, loaded=loaded)
     runner = llm.engine.runner
     copy_bw = copy_bandwidth(device)
     rows: list[dict] = []

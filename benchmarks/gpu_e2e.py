@@ -59,7 +59,6 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine.llm_engine as llm_engine_module  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.loader import LoadedModel, build_hf_model, dummy_config, load_model  # noqa: E402
 from engine.model import AttentionMetadata  # noqa: E402
@@ -234,19 +233,16 @@ def fp32_correctness(args, device: torch.device, prompts: list[list[int]]) -> di
     """The same check in float32 (weights from the same seed, generated in fp32): no bf16
     rounding, so near-ties cannot flip and tokens must be equal."""
     loaded = load_model(args.model, device, torch.float32, seed=args.seed, use_cache=False)
-    llm_engine_module.load_model = lambda *a, _loaded=loaded, **k: _loaded
-    try:
-        llm = LLM(model=args.model, device=args.device, dtype="float32",
-                  max_num_seqs=len(prompts), max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=args.max_model_len, num_kv_blocks=1024,
-                  enable_prefix_caching=False, enforce_eager=args.enforce_eager, seed=args.seed)
-        hf = build_hf_model(loaded)
-        hf.generation_config.eos_token_id = None
-        log(f"correctness (float32): {len(prompts)} prompts x {args.correct_tokens} greedy "
-            f"tokens, {len(llm.engine.runner.graph_sizes)} decode graphs")
-        result = check_correctness(llm, hf, prompts, args.correct_tokens, device)
-    finally:
-        llm_engine_module.load_model = load_model
+    llm = LLM(model=args.model, device=args.device, dtype="float32",
+              max_num_seqs=len(prompts), max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, num_kv_blocks=1024,
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager, seed=args.seed,
+              loaded=loaded)
+    hf = build_hf_model(loaded)
+    hf.generation_config.eos_token_id = None
+    log(f"correctness (float32): {len(prompts)} prompts x {args.correct_tokens} greedy "
+        f"tokens, {len(llm.engine.runner.graph_sizes)} decode graphs")
+    result = check_correctness(llm, hf, prompts, args.correct_tokens, device)
     del llm, hf, loaded
     release_memory(device)
     return result
@@ -560,14 +556,13 @@ def main(argv: list[str] | None = None) -> None:
     sync(device)
     log(f"loaded {args.model}: {sum(t.numel() for t in loaded.state_dict.values()) / 1e9:.2f} "
         f"B parameters")
-    llm_engine_module.load_model = lambda *a, **k: loaded  # the engine shares these weights
-
     start = time.perf_counter()
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=False, enforce_eager=args.enforce_eager, seed=args.seed)
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager, seed=args.seed,
+              loaded=loaded)  # the engine shares these weights
     runner = llm.engine.runner
     kv_gib = runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30
     result["engine"] = {"init_s": time.perf_counter() - start, "num_kv_blocks": runner.num_blocks,
@@ -622,7 +617,6 @@ def main(argv: list[str] | None = None) -> None:
             result["profile"] = {k: v for k, v in prof.items() if k != "kernel_table"}
 
     del llm, runner
-    llm_engine_module.load_model = load_model
     release_memory(device)
     if device.type == "cuda":
         log(f"engine freed; {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")

@@ -7,6 +7,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.loader import LoadedModel
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -30,8 +31,11 @@ class LLM:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         seed: int | None = None,
+        loaded: LoadedModel | None = None,
         **kwargs: object,
     ) -> None:
+        """``loaded``: the model already loaded (see ``LLMEngine``); other arguments are
+        ``EngineConfig``'s."""
         config = EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
@@ -39,7 +43,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, seed=seed or 0, **kwargs,
         )
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, loaded=loaded)
         self._ids = itertools.count()
 
     @property

@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.info import EngineInfo
 from engine.kv_cache_manager import KVCacheManager
-from engine.loader import load_model
+from engine.loader import LoadedModel, load_model
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -57,12 +57,17 @@ class LLMEngine:
     """``track_pin_changes``: record session pins and unpins for :meth:`take_pin_changes` (the
     engine process mirrors them to the gateway, which renders prompts against them)."""
 
-    def __init__(self, config: EngineConfig, track_pin_changes: bool = False) -> None:
+    def __init__(self, config: EngineConfig, track_pin_changes: bool = False,
+                 loaded: LoadedModel | None = None) -> None:
+        """``loaded``: an already loaded ``config.model`` on ``config``'s device and dtype
+        (weights shared with something else, e.g. a transformers model in a benchmark);
+        by default the engine loads it."""
         self.config = config
         device, dtype = config.torch_device, config.torch_dtype
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, device, dtype, seed=config.seed,
-                            use_cache=config.use_weight_cache, tokenizer=config.tokenizer)
+        if loaded is None:
+            loaded = load_model(config.model, device, dtype, seed=config.seed,
+                                use_cache=config.use_weight_cache, tokenizer=config.tokenizer)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.config

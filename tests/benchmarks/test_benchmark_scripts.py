@@ -81,8 +81,6 @@ def test_gpu_e2e_cpu_smoke(tmp_path, tiny_model, capsys, monkeypatch):
     equal: the oracle), transformers against itself, every transformers batch timed."""
     mod = _load("gpu_e2e")
     monkeypatch.setenv("OUT", str(tmp_path))
-    # the script points the engine's loader at its already loaded weights; undo it even on failure
-    monkeypatch.setattr(mod.llm_engine_module, "load_model", mod.llm_engine_module.load_model)
     mod.main(["--device", "cpu", "--model", tiny_model, "--dtype", "bfloat16", "--quick",
               "--num-requests", "6", "--correct-prompts", "2", "--correct-tokens", "4",
               "--hf-candidates", "4"])

@@ -278,3 +278,14 @@ def test_a_dummy_with_a_larger_vocabulary_only_samples_ids_its_tokenizer_has(
     assert len(ids) == 256 and max(ids) < 49152
     with pytest.raises(ValueError, match="not a folder with tokenizer files"):
         load_model("dummy:smollm2-135m", CPU, F32, tokenizer=str(tmp_path / "wide.json"))
+
+
+def test_an_engine_can_take_an_already_loaded_model(tiny_model) -> None:
+    """``LLM(loaded=...)`` uses those very weight tensors instead of loading its own."""
+    from engine import LLM, SamplingParams
+
+    loaded = load_model(tiny_model, torch.device("cpu"), torch.float32)
+    llm = LLM(tiny_model, loaded=loaded)
+    embed = loaded.state_dict["model.embed_tokens.weight"]
+    assert llm.engine.runner.model.embed.data_ptr() == embed.data_ptr()
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
