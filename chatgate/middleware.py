@@ -149,8 +149,9 @@ class RequestGuard:
             if msg["type"] != "http.response.body" or not msg.get("more_body", False):
                 await send(msg)
                 return
-            try:
-                await asyncio.wait_for(send(msg), self.send_timeout)
+            try:  # a timer handle per chunk, not a task (this is the per-token path)
+                async with asyncio.timeout(self.send_timeout):
+                    await send(msg)
             except TimeoutError:
                 raise _ClientTooSlow() from None
 
