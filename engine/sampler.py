@@ -43,7 +43,7 @@ def sample(
     keys: Sequence[int | None],
     histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     eos_token_ids: Collection[int] = (),
-    constrain: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    constrain: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Draw one token per row of ``logits`` ``[num_rows, vocab]`` (any float dtype and device).
 
@@ -53,7 +53,8 @@ def sample(
     tokens, descending), else None. A row whose params shape its logits (penalties,
     ``logit_bias``, ``min_tokens``; see :func:`shape_logits`) needs ``histories[i]`` = its
     (prompt ids, output ids so far); ``eos_token_ids`` are held back until ``min_tokens``.
-    ``constrain`` (grammar masks) maps the logits to the ones rows choose from, last.
+    ``constrain`` (grammar masks) edits, last and in place, a float32 copy of the logits rows
+    choose from.
     """
     num_rows = logits.shape[0]
     if not len(params) == len(keys) == num_rows:
@@ -63,7 +64,9 @@ def sample(
         assert histories is not None, "penalties need each row's token history"
         logits = shape_logits(logits, params, histories, eos_token_ids)
     if constrain is not None:
-        logits = constrain(logits)
+        if logits is raw:
+            logits = _float_copy(raw)
+        constrain(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(rows) < num_rows:
         tokens = logits.argmax(dim=-1)
@@ -102,9 +105,7 @@ def shape_logits(
     ``-inf``."""
     rows = [i for i, p in enumerate(params) if p.shapes_logits]
     device, vocab = logits.device, logits.shape[1]
-    out = logits.float()  # a copy when the logits are bf16; made one below otherwise
-    if out is logits:
-        out = out.clone()
+    out = _float_copy(logits)
     index = torch.tensor(rows, device=device)
     sub = out.index_select(0, index)
     chosen = [params[i] for i in rows]
@@ -132,6 +133,11 @@ def shape_logits(
         sub.index_put_((torch.tensor(at, device=device), torch.tensor(ids, device=device)),
                        torch.tensor(values, device=device), accumulate=True)
     return out.index_copy_(0, index, sub)
+
+
+def _float_copy(logits: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of ``logits`` (one copy, whatever their dtype)."""
+    return logits.clone() if logits.dtype == torch.float32 else logits.float()
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int,

@@ -77,16 +77,14 @@ class GrammarCompiler:
         return self._compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
 
 
-def constrain(logits: torch.Tensor, matchers: Sequence[Any | None]) -> torch.Tensor:
-    """``logits`` with every row that has a matcher masked to the tokens its grammar allows
-    next (a float32 copy when any row is masked; the same tensor otherwise)."""
+def constrain(logits: torch.Tensor, matchers: Sequence[Any | None]) -> None:
+    """Mask, in place, every row of the float32 ``logits`` that has a matcher to the tokens
+    its grammar allows next."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
-        return logits
+        return
     xgr = _xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[1])
     for i in rows:
         matchers[i].fill_next_token_bitmask(bitmask, i)
-    out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
-    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), indices=rows)
-    return out
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
