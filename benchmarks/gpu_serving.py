@@ -298,7 +298,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         path = os.pathsep.join(p for p in (str(code), os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "PYTHONPATH": path}
         self.log = log.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "chatgate", "serve", "--port", str(self.port), *flags],

@@ -193,7 +193,7 @@ class TurnStreamingResponse(StreamingResponse):
     the turns after the response even if the client left before the generator started."""
 
     def __init__(self, content: AsyncIterator[bytes], *, release: list[Turn]) -> None:
-        def release_all() -> None:
+        async def release_all() -> None:  # async: a sync background task is a thread hop
             for turn in release:
                 turn.release()
 

@@ -6,10 +6,10 @@ engine step and routes its outputs. A consumer that falls behind gets the output
 merged into one (vLLM's output collector), so a slow consumer costs fewer, larger deltas and
 never holds the engine back.
 
-Chat prompts are rendered here (in worker threads), with the process's own tokenizer, against a
-mirror of the engine's session pins (every pin and unpin arrives with the step that made it).
-A stale mirror costs only cache reuse, never correctness: the engine matches prompts to its
-real pins.
+Chat prompts are rendered here (tokenized in batches in a worker thread), with the process's
+own tokenizer, against a mirror of the engine's session pins (every pin and unpin arrives with
+the step that made it). A stale mirror costs only cache reuse, never correctness: the engine
+matches prompts to its real pins.
 
 If the engine process dies, every open stream fails with ``EngineDeadError`` at once, later
 calls raise it, and ``on_death`` callbacks run.
@@ -29,7 +29,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.chat import render_chat
+from engine.batch_encoder import BatchEncoder
+from engine.chat import chat_text, continue_pinned
 from engine.config import EngineConfig
 from engine.info import EngineInfo
 from engine.ipc import (
@@ -103,6 +104,7 @@ class AsyncEngine:
         self.log_level = log_level
         self.info: EngineInfo | None = None
         self.tokenizer: Any = None
+        self._batch_encoder: BatchEncoder
         self.dead: str | None = None  # why the engine process is gone, once it is
         self.on_death: list[Callable[[str], None]] = []
         self._stats: EngineStats | None = None
@@ -162,6 +164,7 @@ class AsyncEngine:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model,
                                                  use_cache=self.config.use_weight_cache,
                                                  tokenizer=self.config.tokenizer)
+        self._batch_encoder = BatchEncoder(self.tokenizer)
         self._tasks = [asyncio.create_task(self._read_outputs(), name="engine-outputs"),
                        asyncio.create_task(self._watch(exited), name="engine-watch")]
 
@@ -236,13 +239,14 @@ class AsyncEngine:
     async def render_chat(self, messages: list[dict], session_id: str | None = None
                           ) -> list[int]:
         """Chat template + generation prompt as token ids, continuing the tokens the engine
-        has pinned under ``session_id`` (see ``engine.chat.render_chat``). Runs in a worker
-        thread: tokenizing a long conversation takes milliseconds, and the tokenizer releases
-        the GIL while it encodes, so the event loop goes on streaming meanwhile."""
+        has pinned under ``session_id`` (see ``engine.chat``). The template and the match
+        against the pinned ids run here, on the event loop (a fraction of a millisecond);
+        the rest of the text is tokenized in batches off the loop (``engine.batch_encoder``)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
         pinned = self._pins.get(session_id) if session_id is not None else None
-        return await asyncio.to_thread(render_chat, self.tokenizer, messages, pinned)
+        kept, rest = continue_pinned(self.tokenizer, chat_text(self.tokenizer, messages), pinned)
+        return kept + await self._batch_encoder.encode(rest)
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -1,31 +1,46 @@
-"""Chat prompts as token ids, continuing a session's pinned tokens where they still fit."""
+"""Chat prompts as token ids, continuing a session's pinned tokens where they still fit.
+
+Rendering is two steps so that a server can run them in different places: :func:`chat_text`
+and :func:`continue_pinned` are cheap (the template, one decode of the pinned ids) and the
+encoding of what remains is the expensive part (see ``engine.batch_encoder``).
+"""
 
 from typing import Any
 
-
-def render_chat(tokenizer: Any, messages: list[dict], pinned: list[int] | None) -> list[int]:
-    """Chat template + generation prompt as token ids. With the token ids a session has pinned,
-    the longest run of them whose text prefixes the rendering is kept as it is and only the rest
-    is tokenized, so the turn continues the pinned KV exactly (a next turn keeps everything; a
-    regenerate or edit keeps up to the divergence). ``pinned`` is never modified."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    kept = _pinned_text_prefix(tokenizer, pinned, text) if pinned else []
-    kept_text = tokenizer.decode(kept, skip_special_tokens=False)
-    return kept + tokenizer.encode(text[len(kept_text):], add_special_tokens=False)
+from engine.detokenizer import decoder
 
 
-def _pinned_text_prefix(tokenizer: Any, token_ids: list[int], text: str) -> list[int]:
-    """The longest ``token_ids[:k]`` whose decoded text is a prefix of ``text``."""
-    def decoded(k: int) -> str:
-        return tokenizer.decode(token_ids[:k], skip_special_tokens=False)
+def chat_text(tokenizer: Any, messages: list[dict]) -> str:
+    """The chat template with the generation prompt, as text."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    if text.startswith(decoded(len(token_ids))):
-        return list(token_ids)
-    lo, hi = 0, len(token_ids)
-    while lo < hi:
+
+def continue_pinned(tokenizer: Any, text: str, pinned: list[int] | None
+                    ) -> tuple[list[int], str]:
+    """Split ``text`` into the longest run of ``pinned`` whose decoded text prefixes it, and
+    the rest of ``text``, still to be tokenized. Keeping the pinned ids as they are (rather
+    than tokenizing the whole text again) makes the turn continue the pinned KV exactly: a next
+    turn keeps everything, a regenerate or an edit keeps up to the divergence. The common case
+    costs one decode; ``pinned`` is never modified."""
+    if not pinned:
+        return [], text
+    decode = decoder(tokenizer)
+    whole = decode(pinned, False)
+    if text.startswith(whole):
+        return list(pinned), text[len(whole):]
+    lo, hi, kept_text = 0, len(pinned) - 1, ""
+    while lo < hi:  # the longest k with decode(pinned[:k]) a prefix of text
         mid = (lo + hi + 1) // 2
-        if text.startswith(decoded(mid)):
-            lo = mid
+        piece = decode(pinned[:mid], False)
+        if text.startswith(piece):
+            lo, kept_text = mid, piece
         else:
             hi = mid - 1
-    return token_ids[:lo]
+    return pinned[:lo], text[len(kept_text):]
+
+
+def render_chat(tokenizer: Any, messages: list[dict], pinned: list[int] | None) -> list[int]:
+    """Chat template + generation prompt as token ids, continuing ``pinned`` (the token ids a
+    session has pinned) where they still fit; see :func:`continue_pinned`."""
+    kept, rest = continue_pinned(tokenizer, chat_text(tokenizer, messages), pinned)
+    return kept + tokenizer.encode(rest, add_special_tokens=False)

@@ -104,9 +104,21 @@ class EngineCore:
         self._changed = True
 
     def _step(self) -> None:
+        """One engine step; at debug level, a log line with its time and token counts."""
         self._changed = True
+        engine = self.engine
+        debug = logger.isEnabledFor(logging.DEBUG)
+        if debug:
+            began = time.perf_counter()
+            prefill, decode = engine.num_prefill_tokens, engine.num_decode_tokens
         try:
-            self._pending.outputs.extend(self.engine.step())
+            self._pending.outputs.extend(engine.step())
+            if debug:
+                logger.debug("step %.1f ms: %d prefill + %d decode tokens, %d running, "
+                             "%d waiting", (time.perf_counter() - began) * 1e3,
+                             engine.num_prefill_tokens - prefill,
+                             engine.num_decode_tokens - decode,
+                             len(engine.scheduler.running), len(engine.scheduler.waiting))
         except Exception as error:
             logger.exception("engine step failed; failing the running requests")
             for request_id in list(self.engine.requests):
