@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from engine.batch_encoder import BatchEncoder
-from engine.chat import chat_text, continue_pinned
+from engine.chat import PinnedTexts, chat_text, continue_pinned
 from engine.config import EngineConfig
 from engine.info import EngineInfo
 from engine.ipc import (
@@ -105,6 +105,7 @@ class AsyncEngine:
         self.info: EngineInfo | None = None
         self.tokenizer: Any = None
         self._batch_encoder: BatchEncoder
+        self._pin_texts: PinnedTexts
         self.dead: str | None = None  # why the engine process is gone, once it is
         self.on_death: list[Callable[[str], None]] = []
         self._stats: EngineStats | None = None
@@ -165,6 +166,7 @@ class AsyncEngine:
                                                  use_cache=self.config.use_weight_cache,
                                                  tokenizer=self.config.tokenizer)
         self._batch_encoder = BatchEncoder(self.tokenizer)
+        self._pin_texts = PinnedTexts(self.tokenizer)
         self._tasks = [asyncio.create_task(self._read_outputs(), name="engine-outputs"),
                        asyncio.create_task(self._watch(exited), name="engine-watch")]
 
@@ -240,13 +242,20 @@ class AsyncEngine:
                           ) -> list[int]:
         """Chat template + generation prompt as token ids, continuing the tokens the engine
         has pinned under ``session_id`` (see ``engine.chat``). The template and the match
-        against the pinned ids run here, on the event loop (a fraction of a millisecond);
-        the rest of the text is tokenized in batches off the loop (``engine.batch_encoder``)."""
+        against the pinned ids run here, on the event loop (a fraction of a millisecond: the
+        pinned ids' text is the session's last prompt's plus a decode of its answer); the
+        rest of the text is tokenized in batches off the loop (``engine.batch_encoder``)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
-        pinned = self._pins.get(session_id) if session_id is not None else None
-        kept, rest = continue_pinned(self.tokenizer, chat_text(self.tokenizer, messages), pinned)
-        return kept + await self._batch_encoder.encode(rest)
+        text = chat_text(self.tokenizer, messages)
+        if session_id is None:
+            return await self._batch_encoder.encode(text)
+        pinned = self._pins.get(session_id)
+        kept, rest = continue_pinned(self.tokenizer, text, pinned,
+                                     self._pin_texts.text(session_id, pinned) if pinned else None)
+        prompt_ids = kept + await self._batch_encoder.encode(rest)
+        self._pin_texts.remember(session_id, prompt_ids, text)
+        return prompt_ids
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -282,6 +291,7 @@ class AsyncEngine:
     async def release_session(self, session_id: str) -> bool:
         """Unpin the session's blocks; False if it had none pinned."""
         self._check_alive()
+        self._pin_texts.forget(session_id)
         call_id = next(self._call_ids)
         call = self._calls[call_id] = asyncio.get_running_loop().create_future()
         try:

@@ -1,4 +1,5 @@
-"""Batched tokenization for the event loop, and the pinned-prefix split it serves."""
+"""Batched tokenization for the event loop, and the pinned-prefix split and pinned texts it
+serves."""
 
 import asyncio
 import threading
@@ -6,7 +7,13 @@ import threading
 import pytest
 
 from engine.batch_encoder import INLINE_CHARS, BatchEncoder
-from engine.chat import chat_text, continue_pinned, render_chat
+from engine.chat import (
+    PinnedTexts,
+    chat_text,
+    continue_pinned,
+    decode_concatenates,
+    render_chat,
+)
 from engine.loader import load_tokenizer
 from tests.engine.conftest import CHAT_PROMPTS, conversations
 
@@ -129,3 +136,40 @@ def test_continue_pinned_keeps_the_pinned_ids_up_to_where_the_text_diverges(toke
 
     assert continue_pinned(tokenizer, text, None) == ([], text)
     assert continue_pinned(tokenizer, "unrelated", pinned) == ([], "unrelated")
+
+
+def test_pinned_texts_decode_only_the_answer_and_equal_a_whole_decode(tokenizer) -> None:
+    chat = conversations()[1]
+    text = chat_text(tokenizer, chat)
+    prompt = render_chat(tokenizer, chat, None)
+    # an answer cut inside a multi-byte character, as a pin can be (its last token uncomputed)
+    answer = tokenizer.encode(" La mer 🌊 brille", add_special_tokens=False)
+    texts = PinnedTexts(tokenizer)
+    texts.remember("s", prompt, text)
+    for cut in range(len(answer) + 1):
+        pinned = prompt + answer[:cut]
+        assert texts.text("s", pinned) == tokenizer.decode(pinned)
+
+    other = render_chat(tokenizer, conversations()[2], None)  # does not extend the prompt
+    assert texts.text("s", other) == tokenizer.decode(other)
+    assert texts.text("never-rendered", prompt) == tokenizer.decode(prompt)
+    texts.forget("s")
+    assert texts._prompts == {}
+
+
+def test_decode_concatenates_holds_for_byte_level_bpe_not_sentencepiece(tokenizer) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "▁Hello", "▁world,", "▁café", "▁🌊"]
+    metaspace = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    metaspace.decoder = decoders.Metaspace()
+    sentencepiece_like = PreTrainedTokenizerFast(tokenizer_object=metaspace)
+
+    assert decode_concatenates(tokenizer)
+    assert not decode_concatenates(sentencepiece_like)
+    texts = PinnedTexts(sentencepiece_like)
+    texts.remember("s", [1], "Hello")
+    assert texts._prompts == {}  # never trusted: every text is a whole decode
+    assert texts.text("s", [1, 2]) == sentencepiece_like.decode([1, 2])
