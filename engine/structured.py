@@ -77,14 +77,21 @@ class GrammarCompiler:
         return self._compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
 
 
+@cache
+def _batch_matcher() -> Any:
+    """xgrammar's multi-threaded filler of many matchers' bitmasks (one per process)."""
+    return _xgrammar().BatchGrammarMatcher()
+
+
 def constrain(logits: torch.Tensor, matchers: Sequence[Any | None]) -> None:
     """Mask, in place, every row of the float32 ``logits`` that has a matcher to the tokens
-    its grammar allows next."""
+    its grammar allows next. The rows' bitmasks are filled in one call, across threads (a
+    batch of 256 constrained rows took longer to fill one by one than the GPU's step)."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return
     xgr = _xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[1])
-    for i in rows:
-        matchers[i].fill_next_token_bitmask(bitmask, i)
+    _batch_matcher().batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask,
+                                                   indices=rows)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
