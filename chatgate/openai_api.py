@@ -29,6 +29,7 @@ from chatgate.body import parse_json
 from chatgate.errors import APIError, from_validation_error
 from chatgate.openai_models import ChatCompletionRequest, CompletionRequest
 from chatgate.service import Gateway
+from chatgate.tools import CallParser, grammar, may_start_call
 from chatgate.turn import Turn
 from engine import RequestOutput, TokenLogprob
 from engine.outputs import merge_outputs
@@ -83,9 +84,11 @@ async def list_models(request: Request) -> Response:
     })
 
 
-def _finish_reason(reason: str | None) -> str | None:
+def _finish_reason(reason: str | None, called: bool = False) -> str | None:
     if reason is None:
         return None
+    if called:
+        return "tool_calls"
     return reason if reason in ("stop", "length") else "stop"
 
 
@@ -162,15 +165,23 @@ async def chat_completions(request: Request) -> Response:
     gw = gateway(request)
     tenant = authenticate(request, gw.tenants)
     req = parse_request(ChatCompletionRequest, await request.body(), gw)
-    turn = Turn(gw, tenant, [m.as_template_message() for m in req.messages],
-                session_id=req.session_id, transport="http")
+    turn = Turn(gw, tenant, req.template_messages(), session_id=req.session_id,
+                transport="http")
     request.state.turn_stats = [turn.stats]  # for the access log line
     top_n = req.top_logprobs or 0
+    sampling = req.sampling()
+    parser = None
+    if req.tools and req.effective_tool_choice() != "none":
+        parser = CallParser(req.tools, req.effective_tool_choice())
+        if parser.forced:
+            sampling["structured"] = grammar(req.tools, parser.choice,
+                                             req.parallel_tool_calls is not False)
     await turn.prepare(max_tokens=req.requested_max_tokens(), clamp_max_tokens=False,
-                       n=req.n, logprobs=top_n if req.logprobs else None, **req.sampling())
+                       n=req.n, logprobs=top_n if req.logprobs else None, **sampling)
     await turn.start()
     completion = _Completion(gw, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
-                             _Logprobs(gw.engine.tokenizer, top_n) if req.logprobs else None)
+                             _Logprobs(gw.engine.tokenizer, top_n) if req.logprobs else None,
+                             parser)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return TurnStreamingResponse(_sse_events(turn, completion, include_usage),
@@ -226,22 +237,31 @@ class _Completion:
     share one id (each ``data: {...}\n\n`` as bytes, ready to send)."""
 
     def __init__(self, gw: Gateway, completion_id: str, created: int,
-                 logprobs: _Logprobs | None) -> None:
+                 logprobs: _Logprobs | None, tools: CallParser | None = None) -> None:
         self.id = completion_id
         self.created = created
         self.model = gw.model_name
         self.logprobs = logprobs
+        self.tools = tools
         self._encode = msgspec.json.Encoder().encode
 
     def response(self, final: RequestOutput, usage: dict[str, Any]) -> dict[str, Any]:
         lp = self.logprobs
-        choices = [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None},
-            "logprobs": {"content": lp.entries(c.logprobs or []), "refusal": None}
-            if lp is not None else None,
-            "finish_reason": _finish_reason(c.finish_reason) or "stop",
-        } for c in sorted(final.outputs, key=lambda c: c.index)]
+        choices = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+            calls = []
+            if self.tools is not None:
+                message["content"], calls = self.tools.parse(c.text)
+                if calls:
+                    message["tool_calls"] = [call.openai(i) for i, call in enumerate(calls)]
+            choices.append({
+                "index": c.index,
+                "message": message,
+                "logprobs": {"content": lp.entries(c.logprobs or []), "refusal": None}
+                if lp is not None else None,
+                "finish_reason": _finish_reason(c.finish_reason, bool(calls)) or "stop",
+            })
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -277,6 +297,34 @@ class _Completion:
         }
 
 
+class _StreamedCalls:
+    """Holds back each choice's streamed text while it may be a tool call: all of it when the
+    call is forced, while it could still start a ``<tool_call>`` block under ``auto``. At the
+    finish, the held text is parsed: its calls go out as one ``tool_calls`` delta."""
+
+    def __init__(self, parser: CallParser) -> None:
+        self.parser = parser
+        self._held: dict[int, str] = {}
+        self._released: set[int] = set()  # choices streaming plain content
+
+    def feed(self, index: int, text: str, finish_reason: str | None
+             ) -> tuple[str, list[dict[str, Any]]]:
+        """(content to send now, tool call deltas to send now) for a delta of choice
+        ``index``."""
+        if index in self._released:
+            return text, []
+        held = self._held.get(index, "") + text
+        if finish_reason is None:
+            if self.parser.forced or may_start_call(held):
+                self._held[index] = held
+                return "", []
+            self._released.add(index)
+            return held, []
+        self._held.pop(index, None)
+        content, calls = self.parser.parse(held)
+        return content or "", [call.openai(i) for i, call in enumerate(calls)]
+
+
 async def _sse_events(turn: Turn, completion: _Completion,
                       include_usage: bool) -> AsyncIterator[bytes]:
     assert turn.params is not None
@@ -285,14 +333,23 @@ async def _sse_events(turn: Turn, completion: _Completion,
         for i in range(turn.params.n):
             yield chunk([choice(i, {"role": "assistant", "content": "", "refusal": None})],
                         include_usage)
+        calls = _StreamedCalls(completion.tools) if completion.tools is not None else None
         async with contextlib.aclosing(turn.stream()) as outputs:
             async for out in outputs:
                 for c in out.outputs:
-                    if c.text or c.logprobs:
-                        yield chunk([choice(c.index, {"content": c.text}, None, c.logprobs)],
+                    text, called = c.text, False
+                    if calls is not None:
+                        text, tool_calls = calls.feed(c.index, c.text, c.finish_reason)
+                        if tool_calls:
+                            called = True
+                            yield chunk([choice(c.index, {"tool_calls": tool_calls})],
+                                        include_usage)
+                    if text or c.logprobs:
+                        yield chunk([choice(c.index, {"content": text}, None, c.logprobs)],
                                     include_usage)
                     if c.finish_reason is not None:
-                        yield chunk([choice(c.index, {}, _finish_reason(c.finish_reason))],
+                        yield chunk([choice(c.index, {}, _finish_reason(c.finish_reason,
+                                                                        called))],
                                     include_usage)
         if include_usage:
             yield chunk([], include_usage, turn.stats.usage())

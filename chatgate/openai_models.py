@@ -15,6 +15,8 @@ from pydantic import (
     model_validator,
 )
 
+from chatgate import tools
+from chatgate.tools import NamedToolChoice, ToolCall, ToolChoice, ToolDefinition
 from engine.structured import StructuredOutput
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
@@ -28,18 +30,23 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     """One message. ``developer`` is treated as ``system``; content may be a string or a
-    list of text parts (what the SDK sends for structured content)."""
+    list of text parts (what the SDK sends for structured content). An assistant message may
+    carry ``tool_calls`` instead of content; a ``tool`` message answers one of them."""
 
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for role '{self.role}'")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
         return self
 
     def text(self) -> str:
@@ -50,8 +57,15 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
     def as_template_message(self) -> dict[str, str]:
+        """The message as the chat template takes it: tool calls written out and tool
+        results brought back as user turns (``chatgate.tools``' prompt form)."""
+        if self.role == "tool":
+            return {"role": "user", "content": tools.response_text(self.text())}
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        text = self.text()
+        if self.tool_calls:
+            text = "\n".join(t for t in (text, tools.call_text(self.tool_calls)) if t)
+        return {"role": role, "content": text}
 
 
 class StreamOptions(BaseModel):
@@ -60,8 +74,7 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI chat-completion fields with no implementation here (a 400 names them).
-UNIMPLEMENTED_FIELDS = ("tools", "tool_choice", "functions", "function_call",
-                        "parallel_tool_calls", "prediction", "audio", "modalities",
+UNIMPLEMENTED_FIELDS = ("functions", "function_call", "prediction", "audio", "modalities",
                         "web_search_options", "reasoning_effort")
 
 
@@ -163,12 +176,52 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     user: str | None = None
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = True
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, "
+                             "which is not in tools")
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("tool_choice 'required' or a named function cannot be combined "
+                             "with a JSON response_format")
+        return self
+
+    def effective_tool_choice(self) -> ToolChoice:
+        """``tool_choice`` as given, else ``auto`` with tools and ``none`` without (OpenAI's
+        defaults)."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages for the chat template, the tools offered in the system prompt unless
+        ``tool_choice`` is ``none``."""
+        messages = [m.as_template_message() for m in self.messages]
+        if not self.tools or self.effective_tool_choice() == "none":
+            return messages
+        offer = tools.system_prompt(self.tools)
+        if messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{offer}"}
+        else:
+            messages.insert(0, {"role": "system", "content": offer})
+        return messages
 
     def unimplemented_field(self) -> str | None:
         """The first OpenAI field set in this request that this server does not implement."""

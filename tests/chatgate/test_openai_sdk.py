@@ -200,9 +200,9 @@ def test_logit_bias_and_min_tokens(client):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "required"),
-    ("parallel_tool_calls", True),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("function_call", "auto"),
+    ("prediction", {"type": "content", "content": "Hi"}),
 ])
 def test_unimplemented_openai_fields_are_refused_by_name(client, field, value):
     with pytest.raises(openai.BadRequestError) as e:
