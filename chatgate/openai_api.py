@@ -32,6 +32,7 @@ from chatgate.service import Gateway
 from chatgate.tools import CallParser, grammar, may_start_call
 from chatgate.turn import Turn
 from engine import RequestOutput, TokenLogprob
+from engine.chat import supports_tools
 from engine.outputs import merge_outputs
 
 log = logging.getLogger("chatgate")
@@ -165,13 +166,15 @@ async def chat_completions(request: Request) -> Response:
     gw = gateway(request)
     tenant = authenticate(request, gw.tenants)
     req = parse_request(ChatCompletionRequest, await request.body(), gw)
-    turn = Turn(gw, tenant, req.template_messages(), session_id=req.session_id,
-                transport="http")
+    native_tools = supports_tools(gw.engine.tokenizer)
+    turn = Turn(gw, tenant, req.template_messages(native_tools), session_id=req.session_id,
+                transport="http", tools=req.template_tools(native_tools))
     request.state.turn_stats = [turn.stats]  # for the access log line
     top_n = req.top_logprobs or 0
     sampling = req.sampling()
     parser = None
-    if req.tools and req.effective_tool_choice() != "none":
+    if req.offers_tools():
+        assert req.tools is not None
         parser = CallParser(req.tools, req.effective_tool_choice())
         if parser.forced:
             sampling["structured"] = grammar(req.tools, parser.choice,

@@ -56,13 +56,26 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
-    def as_template_message(self) -> dict[str, str]:
-        """The message as the chat template takes it: tool calls written out and tool
-        results brought back as user turns (``chatgate.tools``' prompt form)."""
-        if self.role == "tool":
-            return {"role": "user", "content": tools.response_text(self.text())}
+    def as_template_message(self, native_tools: bool = False) -> dict[str, Any]:
+        """The message as the chat template takes it. ``native_tools``: for a template that
+        renders tool calls and ``tool`` messages itself (transformers' format: arguments as an
+        object); otherwise tool calls are written out and tool results come back as user turns
+        (``chatgate.tools``' prompt form)."""
         role = "system" if self.role == "developer" else self.role
         text = self.text()
+        if native_tools:
+            message: dict[str, Any] = {"role": role, "content": text}
+            if self.tool_call_id is not None:
+                message["tool_call_id"] = self.tool_call_id
+            if self.tool_calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.function.name,
+                                  "arguments": tools.arguments_object(c.function.arguments)}}
+                    for c in self.tool_calls]
+            return message
+        if self.role == "tool":
+            return {"role": "user", "content": tools.response_text(text)}
         if self.tool_calls:
             text = "\n".join(t for t in (text, tools.call_text(self.tool_calls)) if t)
         return {"role": role, "content": text}
@@ -210,18 +223,30 @@ class ChatCompletionRequest(SamplingFields):
             return self.tool_choice
         return "auto" if self.tools else "none"
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages for the chat template, the tools offered in the system prompt unless
-        ``tool_choice`` is ``none``."""
-        messages = [m.as_template_message() for m in self.messages]
-        if not self.tools or self.effective_tool_choice() == "none":
+    def offers_tools(self) -> bool:
+        return bool(self.tools) and self.effective_tool_choice() != "none"
+
+    def template_messages(self, native_tools: bool) -> list[dict[str, Any]]:
+        """The messages for the chat template. The tools are offered (unless ``tool_choice``
+        is ``none``) by the template itself when ``native_tools`` (see
+        :meth:`template_tools`), else in the system prompt."""
+        messages = [m.as_template_message(native_tools) for m in self.messages]
+        if native_tools or not self.offers_tools():
             return messages
+        assert self.tools is not None
         offer = tools.system_prompt(self.tools)
         if messages[0]["role"] == "system":
             messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{offer}"}
         else:
             messages.insert(0, {"role": "system", "content": offer})
         return messages
+
+    def template_tools(self, native_tools: bool) -> list[dict[str, Any]] | None:
+        """The tools for a template that renders them, when they are offered."""
+        if not native_tools or not self.offers_tools():
+            return None
+        assert self.tools is not None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def unimplemented_field(self) -> str | None:
         """The first OpenAI field set in this request that this server does not implement."""

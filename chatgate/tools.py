@@ -5,7 +5,9 @@ The prompt form is Hermes' (what Qwen2.5's chat template writes): the tools as J
 ``<tools></tools>`` in the system prompt, each call the model makes as
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, each tool result sent back as a
 user turn inside ``<tool_response></tool_response>``. It works with any chat template, SmolLM2's
-included (which has no tool support of its own).
+included (which has no tool support of its own); a template that renders ``tools`` itself gets
+them, and the calls and tool messages, in transformers' format instead. Either way the calls
+are parsed from the Hermes form.
 
 ``tool_choice``: ``none`` leaves the tools out of the prompt; ``auto`` lets the model choose and
 parses any ``<tool_call>`` blocks it writes; ``required`` and a named function constrain the
@@ -102,6 +104,15 @@ def call_text(calls: list[ToolCall]) -> str:
     return "\n".join(
         f'{CALL_OPEN}\n{{"name": {json.dumps(c.function.name)}, "arguments": '
         f"{c.function.arguments or '{}'}}}\n{CALL_CLOSE}" for c in calls)
+
+
+def arguments_object(arguments: str) -> Any:
+    """A call's JSON arguments as an object, for a template that writes them itself (the
+    text as it is if it is not JSON)."""
+    try:
+        return json.loads(arguments) if arguments else {}
+    except ValueError:
+        return arguments
 
 
 def response_text(content: str) -> str:

@@ -65,7 +65,7 @@ def sampling_params(**kwargs: Any) -> SamplingParams:
         raise APIError(400, str(e), param=param, code="invalid_value") from None
 
 
-def split_history(messages: list[dict[str, str]]) -> tuple[str | None, list[dict[str, str]]]:
+def split_history(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
     """Leading system messages become the session's system prompt; the rest its history."""
     system: list[str] = []
     i = 0
@@ -82,13 +82,16 @@ def store_unavailable(error: BaseException) -> APIError:
 
 class Turn:
     """``messages``: the whole conversation to answer (system prompt first). ``session_id``:
-    the client's session id, or None for a turn that keeps nothing."""
+    the client's session id, or None for a turn that keeps nothing. ``tools``: function
+    definitions the chat template renders itself."""
 
-    def __init__(self, gw: Gateway, tenant: Tenant, messages: list[dict[str, str]], *,
-                 session_id: str | None, transport: str) -> None:
+    def __init__(self, gw: Gateway, tenant: Tenant, messages: list[dict[str, Any]], *,
+                 session_id: str | None, transport: str,
+                 tools: list[dict[str, Any]] | None = None) -> None:
         self.gw = gw
         self.tenant = tenant
         self.messages = messages
+        self.tools = tools
         self.session_id = session_id
         self.transport = transport
         self.engine_session_id = (gw.tenants.engine_session_id(tenant, session_id)
@@ -108,8 +111,8 @@ class Turn:
             self.prompt_ids = prompt_ids
         else:
             try:
-                self.prompt_ids = await self.gw.engine.render_chat(self.messages,
-                                                                   self.engine_session_id)
+                self.prompt_ids = await self.gw.engine.render_chat(
+                    self.messages, self.engine_session_id, self.tools)
             except ValueError as e:
                 raise APIError(400, str(e), param="messages", code="invalid_value") from None
         max_tokens = self.gw.check_prompt(self.prompt_ids, max_tokens, clamp=clamp_max_tokens)

@@ -238,16 +238,17 @@ class AsyncEngine:
         assert self._stats is not None, "AsyncEngine.start() was not awaited"
         return self._stats
 
-    async def render_chat(self, messages: list[dict], session_id: str | None = None
-                          ) -> list[int]:
+    async def render_chat(self, messages: list[dict], session_id: str | None = None,
+                          tools: list[dict] | None = None) -> list[int]:
         """Chat template + generation prompt as token ids, continuing the tokens the engine
         has pinned under ``session_id`` (see ``engine.chat``). The template and the match
         against the pinned ids run here, on the event loop (a fraction of a millisecond: the
         pinned ids' text is the session's last prompt's plus a decode of its answer); the
-        rest of the text is tokenized in batches off the loop (``engine.batch_encoder``)."""
+        rest of the text is tokenized in batches off the loop (``engine.batch_encoder``).
+        ``tools``: function definitions for a template that renders them."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
-        text = chat_text(self.tokenizer, messages)
+        text = chat_text(self.tokenizer, messages, tools)
         if session_id is None:
             return await self._batch_encoder.encode(text)
         pinned = self._pins.get(session_id)

@@ -12,9 +12,19 @@ from typing import Any
 from engine.detokenizer import decoder
 
 
-def chat_text(tokenizer: Any, messages: list[dict]) -> str:
-    """The chat template with the generation prompt, as text."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def chat_text(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The chat template with the generation prompt, as text; ``tools`` (OpenAI function
+    definitions) go to a template that renders them (:func:`supports_tools`)."""
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def supports_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders ``tools`` itself."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    return isinstance(template, str) and "tools" in template
 
 
 def continue_pinned(tokenizer: Any, text: str, pinned: list[int] | None,

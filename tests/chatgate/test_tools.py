@@ -139,3 +139,80 @@ def test_auto_parser_takes_known_well_formed_calls_out_of_the_text():
 
     assert may_start_call("  <tool") and may_start_call("<tool_call>{")
     assert not may_start_call("The weather") and not may_start_call("<b>")
+
+
+# A Qwen2.5-style template: renders the tools, the calls and the tool messages itself.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{%- for t in tools %}\n"
+    "{{ t | tojson }}{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- elif m.tool_calls %}<|im_start|>assistant\n{%- for c in m.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n'
+    "</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def tool_template_tokenizer(tmp_path_factory):
+    from engine.loader import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tool-template-tokenizer")
+    tok = load_tokenizer("smollm2")
+    tok.chat_template = TOOL_TEMPLATE
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_calls_natively(
+        tool_template_tokenizer):
+    from transformers import AutoTokenizer
+
+    from chatgate.openai_models import ChatCompletionRequest
+    from engine.chat import chat_text, supports_tools
+    from engine.loader import load_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(tool_template_tokenizer)
+    assert supports_tools(tok) and not supports_tools(load_tokenizer("smollm2"))
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    req = ChatCompletionRequest.model_validate({
+        "model": MODEL, "tools": TOOLS, "messages": ASK + [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]})
+    text = chat_text(tok, req.template_messages(True), req.template_tools(True))
+    assert text.startswith('<|im_start|>system\n# Tools\n<tools>{"type": "function", '
+                           '"function": {"name": "get_weather"')
+    assert '"name": "get_weather", "arguments": {"city": "Paris"}' in text
+    assert "<tool_response>\n18 C\n</tool_response>" in text
+    assert "You may call one or more functions" not in text  # not the system-prompt form
+
+    fallback = chat_text(load_tokenizer("smollm2"), req.template_messages(False), None)
+    assert "You may call one or more functions" in fallback
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in fallback
+
+
+def test_forced_calls_work_through_a_template_that_renders_tools(tool_template_tokenizer,
+                                                                 tmp_path):
+    from chatgate_testlib import Server
+
+    server = Server(["--tokenizer", str(tool_template_tokenizer), "--max-model-len", "1024"],
+                    tmp_path / "server.log").start()
+    try:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                          timeout=300)
+        r = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0,
+                                      tool_choice={"type": "function",
+                                                   "function": {"name": "get_weather"}},
+                                      max_tokens=60)
+        (call,) = r.choices[0].message.tool_calls
+        WeatherArgs.model_validate_json(call.function.arguments)
+        answer = c.chat.completions.create(
+            model=MODEL, tools=TOOLS, max_tokens=20, temperature=0,
+            messages=ASK + [r.choices[0].message.model_dump(exclude_none=True),
+                            {"role": "tool", "tool_call_id": call.id, "content": "18 C"}])
+        assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
+    finally:
+        server.stop()
