@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
-from engine.structured import GrammarCompiler, constrain
+from engine.structured import GrammarCompiler
 
 logger = logging.getLogger("engine")
 
@@ -225,7 +225,8 @@ class LLMEngine:
         matchers = [s.matcher for s in sampled]
         token_ids, logprobs = sample(
             logits, [s.params for s in sampled], keys, histories, self.eos_token_ids,
-            (lambda x: constrain(x, matchers)) if any(m is not None for m in matchers) else None)
+            (lambda x: self._grammars().constrain(x, matchers))
+            if any(m is not None for m in matchers) else None)
 
         touched: dict[str, _Request] = {}
         for seq, token_id, logprob in zip(sampled, token_ids, logprobs, strict=True):

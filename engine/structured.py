@@ -50,12 +50,16 @@ def _xgrammar() -> Any:
 
 
 class GrammarCompiler:
-    """Compiles and caches grammars for one tokenizer and vocabulary size."""
+    """Compiles and caches grammars for one tokenizer and vocabulary size, and applies their
+    masks to the logits (:meth:`constrain`)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler: Any = None
+        # the bitmask rows, reused from step to step (pinned where a GPU reads them): a fresh
+        # pageable one per step cost more than filling it
+        self._bitmask: torch.Tensor | None = None
 
     def matcher(self, spec: StructuredOutput) -> Any:
         """A fresh ``GrammarMatcher`` for ``spec``; ``ValueError`` if it cannot be compiled."""
@@ -64,6 +68,26 @@ class GrammarCompiler:
             return xgr.GrammarMatcher(self._compile(spec))
         except RuntimeError as e:  # xgrammar's error for a schema it cannot handle
             raise ValueError(f"json_schema cannot be compiled: {e}") from None
+
+    def constrain(self, logits: torch.Tensor, matchers: Sequence[Any | None]) -> None:
+        """Mask, in place, every row of the float32 ``logits`` that has a matcher to the tokens
+        its grammar allows next. The rows' bitmasks are filled in one call, across threads (a
+        batch of 256 constrained rows took longer to fill one by one than the GPU's step)."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        xgr = _xgrammar()
+        shape = xgr.get_bitmask_shape(len(matchers), logits.shape[1])
+        if (self._bitmask is None or self._bitmask.shape[0] < shape[0]
+                or self._bitmask.shape[1] != shape[1]):
+            self._bitmask = torch.empty(max(shape[0], 64), shape[1], dtype=xgr.bitmask_dtype,
+                                        pin_memory=logits.is_cuda)
+        bitmask = self._bitmask[:shape[0]]
+        _batch_matcher().batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask,
+                                                       indices=rows)
+        # the copy may run ahead: the buffer is refilled only after this step's tokens are read
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        indices=rows)
 
     @cache  # noqa: B019 - one compiler per engine; grammars live as long as it
     def _compile(self, spec: StructuredOutput) -> Any:
@@ -81,17 +105,3 @@ class GrammarCompiler:
 def _batch_matcher() -> Any:
     """xgrammar's multi-threaded filler of many matchers' bitmasks (one per process)."""
     return _xgrammar().BatchGrammarMatcher()
-
-
-def constrain(logits: torch.Tensor, matchers: Sequence[Any | None]) -> None:
-    """Mask, in place, every row of the float32 ``logits`` that has a matcher to the tokens
-    its grammar allows next. The rows' bitmasks are filled in one call, across threads (a
-    batch of 256 constrained rows took longer to fill one by one than the GPU's step)."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return
-    xgr = _xgrammar()
-    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[1])
-    _batch_matcher().batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask,
-                                                   indices=rows)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
