@@ -42,6 +42,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--admission-batch", type=int, default=None,
                    help="while requests run, admit waiting ones once this many slots are free "
                         "(default: max-num-seqs/16 with CUDA graphs, else 1)")
+    e.add_argument("--quantization", default=None, choices=["int8"],
+                   help="weight-only int8 linear layers (CPU): a quarter of float32's bytes "
+                        "per step, the argmax within a few percent of it (docs/benchmarks.md)")
     e.add_argument("--seed", type=int, default=0)
 
     g = p.add_argument_group("gateway")
@@ -90,7 +93,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-        admission_batch=args.admission_batch, seed=args.seed,
+        admission_batch=args.admission_batch, quantization=args.quantization, seed=args.seed,
     )
     kw = dict(
         host=args.host, port=args.port, engine=engine, served_model_name=args.served_model_name,

@@ -28,6 +28,7 @@ class EngineSettings(BaseModel):
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     admission_batch: int | None = Field(default=None, ge=1)
+    quantization: Literal["int8"] | None = None
     seed: int = 0
 
     def engine_kwargs(self) -> dict:

@@ -32,6 +32,8 @@ class EngineConfig:
     # decode, and only pure-decode steps replay CUDA graphs. None: max_num_seqs // 16 when
     # CUDA graphs are on, else 1 (admit as soon as a slot frees).
     admission_batch: int | None = None
+    # weight-only quantization of the linear layers (CPU): None (the model's dtype) or "int8"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:

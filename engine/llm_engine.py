@@ -77,7 +77,7 @@ class LLMEngine:
                              f"max_position_embeddings {limit}")
         max_model_len = config.max_model_len or limit
         model = LlamaModel(loaded.config, loaded.state_dict, max_model_len,
-                           vocab_limit=loaded.vocab_limit)
+                           vocab_limit=loaded.vocab_limit, quantization=config.quantization)
         self.runner = ModelRunner(model, config, max_model_len)
         self.max_model_len = min(max_model_len, self.runner.num_blocks * config.block_size)
         self.vocab_size = model.embed.shape[0]

@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kernels
+from engine.quantization import Int8Linear, check_quantization
 
 
 @dataclass
@@ -32,6 +33,9 @@ class AttentionMetadata:
     attn_out: torch.Tensor | None = None
 
 
+Weight = torch.Tensor | Int8Linear
+
+
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
@@ -41,15 +45,22 @@ class _Layer:
     q_bias: torch.Tensor | None
     k_bias: torch.Tensor | None
     v_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     post_norm: torch.Tensor
     gate: torch.Tensor
     up: torch.Tensor
-    down: torch.Tensor
-    # fused layout (CUDA): q/k/v and gate/up are row views of these
-    qkv: torch.Tensor | None = None
+    down: Weight
+    # fused layout (CUDA, and quantized CPU): q/k/v and gate/up are row views of these, or
+    # (quantized) what computes them
+    qkv: Weight | None = None
     qkv_bias: torch.Tensor | None = None
-    gate_up: torch.Tensor | None = None
+    gate_up: Weight | None = None
+
+
+def _linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, Int8Linear):
+        return weight(x)
+    return F.linear(x, weight, bias)
 
 
 class LlamaModel:
@@ -57,7 +68,7 @@ class LlamaModel:
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor],
                  max_positions: int, fuse: bool | None = None,
-                 vocab_limit: int | None = None) -> None:
+                 vocab_limit: int | None = None, quantization: str | None = None) -> None:
         self.config = config
         # ids at or past ``vocab_limit`` get logit -inf (never sampled): a dummy model that
         # borrows a smaller tokenizer only emits ids that tokenizer can decode
@@ -69,16 +80,21 @@ class LlamaModel:
         self.scale = self.head_dim ** -0.5
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
-        self.lm_head = weights.get("lm_head.weight", self.embed)
+        self.lm_head: Weight = weights.get("lm_head.weight", self.embed)
         self.device = self.embed.device
         self.dtype = self.embed.dtype
+        check_quantization(quantization, self.device)
         self.layers = [self._layer(weights, i) for i in range(config.num_hidden_layers)]
         # CUDA: one GEMM for q/k/v and one for gate/up (fewer, larger kernels per step).
-        # CPU keeps transformers' op-for-op numerics.
-        fused = self.device.type == "cuda" if fuse is None else fuse
+        # CPU keeps transformers' op-for-op numerics unless it quantizes.
+        fused = (self.device.type == "cuda" or quantization is not None) if fuse is None else fuse
         if fused:
             for i, layer in enumerate(self.layers):
                 self._fuse(weights, i, layer)
+        if quantization is not None:
+            for layer in self.layers:
+                self._quantize(layer)
+            self.lm_head = Int8Linear(self.lm_head)
         rotary = LlamaRotaryEmbedding(config).to(self.device)
         positions = torch.arange(max_positions, device=self.device)[None, :]
         cos, sin = rotary(self.embed[:1], positions)
@@ -123,6 +139,17 @@ class LlamaModel:
         layer.gate, layer.up = layer.gate_up[:ni], layer.gate_up[ni:]
         w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = layer.gate, layer.up
 
+    @staticmethod
+    def _quantize(layer: _Layer) -> None:
+        """Int8 in place of the fused layer's matrices (the float ones are dropped)."""
+        assert layer.qkv is not None and layer.gate_up is not None
+        layer.qkv = Int8Linear(layer.qkv, layer.qkv_bias)
+        layer.qkv_bias = None
+        layer.gate_up = Int8Linear(layer.gate_up)
+        layer.o, layer.down = Int8Linear(layer.o), Int8Linear(layer.down)
+        empty = layer.input_norm.new_empty(0)
+        layer.q = layer.k = layer.v = layer.gate = layer.up = empty
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -150,17 +177,18 @@ class LlamaModel:
                 meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
                 out=meta.attn_out,
             )
-            x = kernels.add_rms_norm(F.linear(o.reshape(n, -1), layer.o), h, layer.post_norm,
+            x = kernels.add_rms_norm(_linear(o.reshape(n, -1), layer.o), h, layer.post_norm,
                                      self.eps)
-            x = kernels.add_rms_norm(F.linear(self._gated(layer, x), layer.down), h, next_norm,
+            x = kernels.add_rms_norm(_linear(self._gated(layer, x), layer.down), h, next_norm,
                                      self.eps)
         return x
 
-    @staticmethod
-    def _qkv(layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, layer: _Layer, x: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if layer.qkv is not None:
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            return qkv.split([layer.q.shape[0], layer.k.shape[0], layer.v.shape[0]], dim=-1)
+            qkv = _linear(x, layer.qkv, layer.qkv_bias)
+            kv = self.num_kv_heads * self.head_dim
+            return qkv.split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         return (F.linear(x, layer.q, layer.q_bias), F.linear(x, layer.k, layer.k_bias),
                 F.linear(x, layer.v, layer.v_bias))
 
@@ -168,13 +196,13 @@ class LlamaModel:
     def _gated(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate(x)) * up(x)``."""
         if layer.gate_up is not None:
-            return kernels.silu_and_mul(F.linear(x, layer.gate_up))
+            return kernels.silu_and_mul(_linear(x, layer.gate_up))
         return F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype, as transformers computes them; the sampler upcasts
         only where it needs float32 (softmax, logprobs): a greedy row is its argmax."""
-        logits = F.linear(hidden, self.lm_head)
+        logits = _linear(hidden, self.lm_head)
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
             logits[:, self.vocab_limit:] = float("-inf")
         return logits

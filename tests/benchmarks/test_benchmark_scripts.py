@@ -134,3 +134,12 @@ def test_structured_quick(tmp_path, tiny_model, capsys):
     assert _load("structured").main(["--quick", "--model", tiny_model, "--out",
                                      str(tmp_path)]) == 0
     _check(tmp_path, "structured_quick", capsys, "(a) JSON schema", "vs (b)")
+
+
+def test_quantization_quick(tmp_path, tiny_model, capsys):
+    assert _load("quantization").main(["--quick", "--model", tiny_model, "--out",
+                                       str(tmp_path)]) == 0
+    text = _check(tmp_path, "quantization_quick", capsys, "argmax = float32", "batch 1 tok/s")
+    assert "int8" in text
+    raw = json.loads((tmp_path / "quantization_quick.json").read_text())
+    assert raw["results"]["float32"]["argmax_agreement"] == 1.0
