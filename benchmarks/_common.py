@@ -8,6 +8,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -94,6 +95,16 @@ class Tee:
     def close(self) -> None:
         if self.fh is not None:
             self.fh.close()
+
+
+def open_log(out: Path, name: str, quick: bool, argv: list[str] | None) -> tuple[Tee, str]:
+    """The run's raw-output log, ``out/{stem}.txt`` with ``stem`` = ``name`` (``name_quick``
+    for a ``--quick`` run), begun with the command line and the machine: (log, stem)."""
+    stem = f"{name}_quick" if quick else name
+    log = Tee(out / f"{stem}.txt")
+    log(f"{name}:", " ".join(sys.argv[1:] if argv is None else argv))
+    log(machine_info())
+    return log, stem
 
 
 def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:

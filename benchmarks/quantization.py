@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks._common import DEFAULT_OUT, Tee, machine_info, plt, ratio, table  # noqa: E402
+from benchmarks._common import DEFAULT_OUT, machine_info, open_log, plt, ratio, table  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?", "Write a short poem about the sea and the stars.",
@@ -78,11 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.max_tokens, args.speed_tokens = 4, 4
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "quantization_quick" if args.quick else "quantization"
-    log = Tee(args.out / f"{stem}.txt")
-    log("quantization:", " ".join(sys.argv[1:] if argv is None else argv))
-    log(machine_info())
+    log, stem = open_log(args.out, "quantization", args.quick, argv)  # creates args.out
 
     from engine import LLM, SamplingParams
 

@@ -32,7 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import httpx  # noqa: E402
 
-from benchmarks._common import DEFAULT_OUT, ROOT, Tee, machine_info, plt, table  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    DEFAULT_OUT,
+    ROOT,
+    Tee,
+    machine_info,
+    open_log,
+    plt,
+    table,
+)
 from benchmarks.serving import TOPICS, free_port  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
@@ -216,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.minutes, args.interval, args.concurrency, args.max_tokens = 2, 5.0, 2, 4
     args.out.mkdir(parents=True, exist_ok=True)
-    log = Tee(args.out / "soak.txt")
-    log("soak:", " ".join(sys.argv[1:] if argv is None else argv))
-    log(machine_info())
+    log, _ = open_log(args.out, "soak", False, argv)
     port = free_port()
     cmd = [sys.executable, "-m", "chatgate.cli", "serve", "--port", str(port), "--model",
            args.model, "--log-level", "warning"]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks._common import DEFAULT_OUT, Tee, machine_info, ratio, table  # noqa: E402
+from benchmarks._common import DEFAULT_OUT, machine_info, open_log, ratio, table  # noqa: E402
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 40},
@@ -66,11 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests, args.max_tokens = 4, 128
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "structured_quick" if args.quick else "structured"
-    log = Tee(args.out / f"{stem}.txt")
-    log("structured:", " ".join(sys.argv[1:] if argv is None else argv))
-    log(machine_info())
+    log, stem = open_log(args.out, "structured", args.quick, argv)  # creates args.out
 
     from engine import LLM, SamplingParams
     from engine.structured import StructuredOutput
