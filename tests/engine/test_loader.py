@@ -19,6 +19,7 @@ from engine.loader import (
     ModelPackageMissingError,
     build_hf_model,
     dummy_config,
+    gguf,
     load_model,
     smollm2_gguf_path,
 )
@@ -94,8 +95,8 @@ def test_second_load_hits_cache(smol: LoadedModel, cache_dir: Path,
     assert (entry / "model" / "config.json").is_file()
     assert (entry / "tokenizer" / "tokenizer.json").is_file()
     assert not [p for p in cache_dir.rglob("*") if ".tmp-" in p.name]
-    monkeypatch.setattr(loader, "_convert_gguf", _forbid)
-    monkeypatch.setattr(loader, "_gguf_tokenizer", _forbid)
+    monkeypatch.setattr(gguf, "convert_gguf", _forbid)
+    monkeypatch.setattr(gguf, "gguf_tokenizer", _forbid)
     with caplog.at_level(logging.INFO, logger="engine.loader"):
         again = load_model("smollm2", CPU, F32)
     assert "weight cache hit" in caplog.text
@@ -120,8 +121,8 @@ def test_cache_off_reads_gguf_and_writes_nothing(smol: LoadedModel, tmp_path: Pa
         calls.append("tokenizer")
         return smol.tokenizer
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert)
-    monkeypatch.setattr(loader, "_gguf_tokenizer", tokenizer)
+    monkeypatch.setattr(gguf, "convert_gguf", convert)
+    monkeypatch.setattr(gguf, "gguf_tokenizer", tokenizer)
     if via_env:  # the default cache is populated: it must still be bypassed
         monkeypatch.setenv(loader.NO_CACHE_ENV, "1")
         fresh = load_model("smollm2", CPU, F32)
@@ -139,7 +140,7 @@ def test_failed_cache_write_leaves_nothing(tmp_path: Path) -> None:
         raise Forbidden
 
     with pytest.raises(Forbidden):
-        loader._write_atomically(tmp_path / "entry", crash)
+        gguf.write_atomically(tmp_path / "entry", crash)
     assert list(tmp_path.iterdir()) == []
 
 
