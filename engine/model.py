@@ -31,6 +31,8 @@ class AttentionMetadata:
     # CUDA only: a static ``[num_tokens, num_heads, head_dim]`` buffer the attention writes
     # into (CUDA-graph capture); ``None`` lets the kernel allocate its output.
     attn_out: torch.Tensor | None = None
+    # CPU only: the step's index work for every layer's attention (``kernels.attention_plan``)
+    plan: kernels.reference.AttentionPlan | None = None
 
 
 Weight = torch.Tensor | Int8Linear
@@ -175,7 +177,7 @@ class LlamaModel:
             o = kernels.paged_attention(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
-                out=meta.attn_out,
+                out=meta.attn_out, plan=meta.plan,
             )
             x = kernels.add_rms_norm(_linear(o.reshape(n, -1), layer.o), h, layer.post_norm,
                                      self.eps)

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import torch
 
+import kernels
 from engine.config import EngineConfig
 from engine.model import AttentionMetadata, LlamaModel
 from engine.scheduler import ScheduledBatch
@@ -194,13 +195,18 @@ class ModelRunner:
                 logits = logits[self._to_device(np.asarray(sample_indices, dtype=np.int64))]
             return logits
         self.num_eager_steps += 1
+        block_tables = self._to_device(host["block_tables"])
+        seq_lens = self._to_device(host["seq_lens"])
+        query_start_loc = self._to_device(host["query_start_loc"])
         meta = AttentionMetadata(
             slot_mapping=self._to_device(host["slot_mapping"]),
-            block_tables=self._to_device(host["block_tables"]),
-            seq_lens=self._to_device(host["seq_lens"]),
-            query_start_loc=self._to_device(host["query_start_loc"]),
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
             max_query_len=host["max_query_len"],
             max_seq_len=host["max_seq_len"],
+            plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc,
+                                        self.block_size),
         )
         hidden = self.model.forward(self._to_device(host["input_ids"]),
                                     self._to_device(host["positions"]), meta, self.kv_cache)

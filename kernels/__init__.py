@@ -18,6 +18,7 @@ op-by-op torch code of transformers' Llama on CPU. So does the sampler's counter
 
 from kernels.dispatch import (
     add_rms_norm,
+    attention_plan,
     exponential_noise,
     paged_attention,
     reshape_and_cache,
@@ -28,6 +29,7 @@ from kernels.dispatch import (
 
 __all__ = [
     "add_rms_norm",
+    "attention_plan",
     "exponential_noise",
     "paged_attention",
     "reshape_and_cache",

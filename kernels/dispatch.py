@@ -32,9 +32,11 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,
+    plan: reference.AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache, written
-    into ``out`` when given (a static buffer, for CUDA graphs) and returned."""
+    into ``out`` when given (a static buffer, for CUDA graphs) and returned. ``plan``: the
+    step's :func:`attention_plan` (CPU)."""
     if query.is_cuda:
         from kernels import triton_attention
 
@@ -44,8 +46,18 @@ def paged_attention(
         )
     return reference.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, max_query_len, max_seq_len, out=out,
+        scale, max_query_len, max_seq_len, out=out, plan=plan,
     )
+
+
+def attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, block_size: int
+                   ) -> reference.AttentionPlan | None:
+    """The index work of a step's attention, shared by all its layers: computed once per step
+    on the CPU; None on CUDA (the kernels index the block tables themselves)."""
+    if block_tables.is_cuda:
+        return None
+    return reference.attention_plan(block_tables, seq_lens, query_start_loc, block_size)
 
 
 def _fused_or_reference(t: torch.Tensor):

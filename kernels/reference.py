@@ -4,6 +4,8 @@ It is the CPU path of the engine and the oracle the Triton kernels are tested ag
 favours clarity, but batches decode rows into one padded SDPA call so CPU serving stays usable.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +33,41 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return blocks.view(-1, *cache.shape[2:])[:length]
 
 
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The index work of one step's attention, the same for every layer: computed once per step
+    (:func:`attention_plan`) instead of once per layer."""
+
+    lens: list[int]
+    starts: list[int]
+    extend_rows: list[int]  # sequences with more than one query token
+    decode_rows: list[int]  # sequences with one query token
+    decode_blocks: torch.Tensor  # their blocks, [len(decode_rows) * blocks], padded alike
+    decode_len: int  # their longest context
+    decode_mask: torch.Tensor  # [len(decode_rows), 1, 1, decode_len]: keys within each context
+    decode_tokens: torch.Tensor | None  # their query rows; None when they are all rows in order
+
+
+def attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, block_size: int) -> AttentionPlan:
+    lens = seq_lens.tolist()
+    starts = query_start_loc.tolist()
+    decode_rows = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    extend_rows = [i for i in range(len(lens)) if starts[i + 1] - starts[i] > 1]
+    device = block_tables.device
+    longest = max((lens[i] for i in decode_rows), default=0)
+    num_blocks = -(-longest // block_size)
+    index = torch.tensor(decode_rows, device=device, dtype=torch.long)
+    blocks = block_tables.index_select(0, index)[:, :num_blocks].long().flatten()
+    row_lens = torch.tensor([lens[i] for i in decode_rows], device=device)
+    mask = torch.arange(longest, device=device)[None, :] < row_lens[:, None]
+    tokens = [starts[i] for i in decode_rows]
+    in_order = tokens == list(range(starts[-1]))
+    return AttentionPlan(lens, starts, extend_rows, decode_rows, blocks, longest,
+                         mask[:, None, None, :],
+                         None if in_order else torch.tensor(tokens, device=device))
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -42,18 +79,18 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
+    """``plan``: :func:`attention_plan` of these tensors, when the caller computed it once for
+    every layer of the step."""
     out = torch.empty_like(query) if out is None else out
-    lens = seq_lens.tolist()
-    starts = query_start_loc.tolist()
-    decode_rows = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    if decode_rows:
-        _decode(query, key_cache, value_cache, block_tables, lens, starts, decode_rows, scale, out)
-    for i in range(len(lens)):
-        begin, end = starts[i], starts[i + 1]
-        if end - begin <= 1:
-            continue
-        _extend(query[begin:end], key_cache, value_cache, block_tables[i], lens[i], scale,
+    if plan is None:
+        plan = attention_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1])
+    if plan.decode_rows:
+        _decode(query, key_cache, value_cache, plan, scale, out)
+    for i in plan.extend_rows:
+        begin, end = plan.starts[i], plan.starts[i + 1]
+        _extend(query[begin:end], key_cache, value_cache, block_tables[i], plan.lens[i], scale,
                 out[begin:end])
     return out
 
@@ -84,31 +121,25 @@ def _decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    lens: list[int],
-    starts: list[int],
-    rows: list[int],
+    plan: AttentionPlan,
     scale: float,
     out: torch.Tensor,
 ) -> None:
     """One query per sequence: pad every context to the longest and mask the padding."""
-    block_size = key_cache.shape[1]
-    longest = max(lens[i] for i in rows)
-    num_blocks = -(-longest // block_size)
-    index = torch.tensor(rows, device=query.device)
-    flat = block_tables[index, :num_blocks].long().flatten()
-    shape = (len(rows), num_blocks * block_size, *key_cache.shape[2:])
-    k = key_cache.index_select(0, flat).view(shape)[:, :longest].to(query.dtype)
-    v = value_cache.index_select(0, flat).view(shape)[:, :longest].to(query.dtype)
-    row_lens = torch.tensor([lens[i] for i in rows], device=query.device)
-    mask = torch.arange(longest, device=query.device)[None, :] < row_lens[:, None]
-    token_index = torch.tensor([starts[i] for i in rows], device=query.device)
-    q = query[token_index].unsqueeze(2)
+    rows, longest = len(plan.decode_rows), plan.decode_len
+    shape = (rows, plan.decode_blocks.numel() // rows * key_cache.shape[1], *key_cache.shape[2:])
+    k = key_cache.index_select(0, plan.decode_blocks).view(shape)[:, :longest].to(query.dtype)
+    v = value_cache.index_select(0, plan.decode_blocks).view(shape)[:, :longest].to(query.dtype)
+    tokens = plan.decode_tokens
+    q = (query if tokens is None else query[tokens]).unsqueeze(2)
     o = F.scaled_dot_product_attention(
         q, k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
-    )
-    out.index_copy_(0, token_index, o.squeeze(2))
+        attn_mask=plan.decode_mask, scale=scale, enable_gqa=True,
+    ).squeeze(2)
+    if tokens is None:
+        out.copy_(o)
+    else:
+        out.index_copy_(0, tokens, o)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
