@@ -29,7 +29,7 @@ from chatgate.body import parse_json
 from chatgate.errors import APIError, from_validation_error
 from chatgate.openai_models import ChatCompletionRequest, CompletionRequest
 from chatgate.service import Gateway
-from chatgate.tools import CallParser, grammar, may_start_call
+from chatgate.tools import CallParser, may_start_call
 from chatgate.turn import Turn
 from engine import RequestOutput, TokenLogprob
 from engine.chat import supports_tools
@@ -172,13 +172,9 @@ async def chat_completions(request: Request) -> Response:
     request.state.turn_stats = [turn.stats]  # for the access log line
     top_n = req.top_logprobs or 0
     sampling = req.sampling()
-    parser = None
-    if req.offers_tools():
-        assert req.tools is not None
-        parser = CallParser(req.tools, req.effective_tool_choice())
-        if parser.forced:
-            sampling["structured"] = grammar(req.tools, parser.choice,
-                                             req.parallel_tool_calls is not False)
+    parser = req.call_parser()
+    if parser is not None and parser.forced:
+        sampling["structured"] = parser.grammar()
     await turn.prepare(max_tokens=req.requested_max_tokens(), clamp_max_tokens=False,
                        n=req.n, logprobs=top_n if req.logprobs else None, **sampling)
     await turn.start()

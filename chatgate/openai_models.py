@@ -226,6 +226,14 @@ class ChatCompletionRequest(SamplingFields):
     def offers_tools(self) -> bool:
         return bool(self.tools) and self.effective_tool_choice() != "none"
 
+    def call_parser(self) -> tools.CallParser | None:
+        """What reads this request's outputs for tool calls, when it offers tools."""
+        if not self.offers_tools():
+            return None
+        assert self.tools is not None
+        return tools.CallParser(self.tools, self.effective_tool_choice(),
+                                self.parallel_tool_calls is not False)
+
     def template_messages(self, native_tools: bool) -> list[dict[str, Any]]:
         """The messages for the chat template. The tools are offered (unless ``tool_choice``
         is ``none``) by the template itself when ``native_tools`` (see

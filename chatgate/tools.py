@@ -190,11 +190,16 @@ class CallParser:
 
     tools: list[ToolDefinition]
     choice: ToolChoice
+    parallel: bool
 
     @property
     def forced(self) -> bool:
-        """Whether the output is decoded under :func:`grammar` (a call, not free text)."""
+        """Whether the output is decoded under :meth:`grammar` (a call, not free text)."""
         return self.choice == "required" or isinstance(self.choice, NamedToolChoice)
+
+    def grammar(self) -> StructuredOutput | None:
+        """What a forced call is decoded under (see :func:`grammar`); None when not forced."""
+        return grammar(self.tools, self.choice, self.parallel)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(the content left, the calls) of one finished output."""

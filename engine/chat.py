@@ -19,6 +19,7 @@ def chat_text(tokenizer: Any, messages: list[dict], tools: list[dict] | None = N
                                          add_generation_prompt=True)
 
 
+@functools.cache
 def supports_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template renders ``tools`` itself."""
     template = getattr(tokenizer, "chat_template", None)

@@ -26,7 +26,6 @@ class Int8Linear:
             torch.int8)
         self.scales = scales
         self.bias = bias
-        self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
