@@ -50,6 +50,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("gateway")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--replica-id", default=None,
+                   help="this gateway's name in the X-Chatgate-Replica header and the "
+                        "metrics' replica label (default: the hostname)")
     g.add_argument("--redis-url", default=os.environ.get("REDIS_URL") or None,
                    help="session store; default $REDIS_URL, else the in-process store")
     g.add_argument("--redis-prefix", default="chatgate", help="Redis key prefix")
@@ -105,6 +108,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     )
     if args.server_secret:
         kw["server_secret"] = args.server_secret
+    if args.replica_id:
+        kw["replica_id"] = args.replica_id
     return Settings(**kw)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -46,6 +47,8 @@ class Settings(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    replica_id: str = Field(default_factory=socket.gethostname,
+                            pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     engine: EngineSettings = Field(default_factory=EngineSettings)
     served_model_name: str | None = None
 
