@@ -31,6 +31,7 @@ from chatgate import completions_api, openai_api, sessions_api
 from chatgate.errors import APIError, api_error_handler
 from chatgate.metrics import Metrics
 from chatgate.middleware import RequestGuard
+from chatgate.replica import ReplicaHeader
 from chatgate.service import Gateway
 from chatgate.sessions import is_store_error, make_store
 from chatgate.settings import Settings
@@ -160,7 +161,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         eng.on_death.append(on_engine_death)
         log.info("session store: %s%s", type(store).__name__,
                  f" at {settings.redis_url}" if settings.redis_url else " (in-process)")
-        metrics = Metrics(settings.served_model_name or eng.model_name)
+        metrics = Metrics(settings.served_model_name or eng.model_name, settings.replica_id)
         metrics.attach_engine(eng.stats)
         gw = Gateway(settings, eng, tenants, store, metrics)
         try:
@@ -206,7 +207,9 @@ def create_app(settings: Settings | None = None) -> Starlette:
         middleware.insert(0, Middleware(
             CORSMiddleware, allow_origins=settings.allowed_origins,
             allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type"], max_age=600))
+            allow_headers=["Authorization", "Content-Type", "X-Session-Id"],
+            expose_headers=["X-Chatgate-Replica"], max_age=600))
+    middleware.insert(0, Middleware(ReplicaHeader, replica_id=settings.replica_id))
 
     app = Starlette(
         routes=routes,

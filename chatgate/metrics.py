@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from engine import EngineStats
 
 PREFIX = "chatgate:"
+LABELS = ["model_name", "replica"]  # every series names the model and the gateway replica
 
 disable_created_metrics()  # no *_created series (as vLLM)
 
@@ -27,13 +28,13 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class _EngineCollector(Collector):
-    def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, get_stats: Callable[[], EngineStats], labels: list[str]) -> None:
         self._get_stats = get_stats
-        self._model = model_name
+        self._labels = labels
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-        g.add_metric([self._model], value)
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+        g.add_metric(self._labels, value)
         return g
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
@@ -54,18 +55,19 @@ class _EngineCollector(Collector):
         yield self._gauge("num_free_blocks", "Free KV blocks.", s.num_blocks_free)
         c = CounterMetricFamily(PREFIX + "num_preemptions",
                                 "Requests preempted (recomputed) for lack of KV blocks.",
-                                labels=["model_name"])
-        c.add_metric([self._model], s.num_preemptions)
+                                labels=LABELS)
+        c.add_metric(self._labels, s.num_preemptions)
         yield c
 
 
 class Metrics:
     """One registry per app (so tests can build several apps in one process)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, replica_id: str) -> None:
         self.model_name = model_name
+        self.replica_id = replica_id
         self.registry = CollectorRegistry()
-        r, lbl = self.registry, ["model_name"]
+        r, lbl = self.registry, LABELS
         self.prefix_cache_queries = Counter(
             PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
             lbl, registry=r)
@@ -92,21 +94,22 @@ class Metrics:
 
         # The labelled children, made up front: every series exists from the first scrape,
         # and the per-token path skips the label lookup.
-        m = model_name
-        for metric in (self.prefix_cache_queries, self.prefix_cache_hits, self.prompt_tokens,
-                       self.rate_limited):
-            metric.labels(m)
-        self._generation_tokens = self.generation_tokens.labels(m)
-        self._ttft = self.ttft.labels(m)
-        self._itl = self.itl.labels(m)
-        self._e2e = self.e2e.labels(m)
-        self._finished = {reason: self.request_success.labels(m, reason)
+        m = (model_name, replica_id)
+        self._prefix_cache_queries = self.prefix_cache_queries.labels(*m)
+        self._prefix_cache_hits = self.prefix_cache_hits.labels(*m)
+        self._prompt_tokens = self.prompt_tokens.labels(*m)
+        self._rate_limited = self.rate_limited.labels(*m)
+        self._generation_tokens = self.generation_tokens.labels(*m)
+        self._ttft = self.ttft.labels(*m)
+        self._itl = self.itl.labels(*m)
+        self._e2e = self.e2e.labels(*m)
+        self._finished = {reason: self.request_success.labels(*m, reason)
                           for reason in ("stop", "length", "abort")}
-        self._streams = {transport: self.active_streams.labels(m, transport)
+        self._streams = {transport: self.active_streams.labels(*m, transport)
                          for transport in ("http", "ws")}
 
     def attach_engine(self, get_stats: Callable[[], EngineStats]) -> None:
-        self.registry.register(_EngineCollector(get_stats, self.model_name))
+        self.registry.register(_EngineCollector(get_stats, [self.model_name, self.replica_id]))
 
     def stream_started(self, transport: str) -> None:
         self._streams[transport].inc()
@@ -114,11 +117,13 @@ class Metrics:
     def stream_ended(self, transport: str) -> None:
         self._streams[transport].dec()
 
+    def observe_rate_limited(self) -> None:
+        self._rate_limited.inc()
+
     def observe_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
-        m = self.model_name
-        self.prefix_cache_queries.labels(m).inc(prompt_tokens)
-        self.prefix_cache_hits.labels(m).inc(cached_tokens)
-        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self._prefix_cache_queries.inc(prompt_tokens)
+        self._prefix_cache_hits.inc(cached_tokens)
+        self._prompt_tokens.inc(prompt_tokens)
 
     def observe_first_tokens(self, num_tokens: int, ttft_s: float) -> None:
         self._generation_tokens.inc(num_tokens)
@@ -136,8 +141,8 @@ class Metrics:
         """A request ended with these finish reasons (one per sample kind); ``e2e_s`` when it
         finished rather than being aborted."""
         for reason in reasons:
-            child = self._finished.get(reason) or self.request_success.labels(self.model_name,
-                                                                              reason)
+            child = self._finished.get(reason) or self.request_success.labels(
+                self.model_name, self.replica_id, reason)
             child.inc()
         if e2e_s is not None:
             self._e2e.observe(e2e_s)

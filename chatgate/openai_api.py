@@ -29,6 +29,7 @@ from chatgate.body import parse_json
 from chatgate.errors import APIError, from_validation_error
 from chatgate.openai_models import ChatCompletionRequest, CompletionRequest
 from chatgate.service import Gateway
+from chatgate.session_ids import HEADER, agreed_session_id
 from chatgate.tools import CallParser, may_start_call
 from chatgate.turn import Turn
 from engine import RequestOutput, TokenLogprob
@@ -166,8 +167,10 @@ async def chat_completions(request: Request) -> Response:
     gw = gateway(request)
     tenant = authenticate(request, gw.tenants)
     req = parse_request(ChatCompletionRequest, await request.body(), gw)
+    session_id = agreed_session_id({f"{HEADER} header": request.headers.get(HEADER),
+                                    "session_id field": req.session_id})
     native_tools = supports_tools(gw.engine.tokenizer)
-    turn = Turn(gw, tenant, req.template_messages(native_tools), session_id=req.session_id,
+    turn = Turn(gw, tenant, req.template_messages(native_tools), session_id=session_id,
                 transport="http", tools=req.template_tools(native_tools))
     request.state.turn_stats = [turn.stats]  # for the access log line
     top_n = req.top_logprobs or 0
@@ -190,8 +193,8 @@ async def chat_completions(request: Request) -> Response:
     finally:
         turn.release()
     result = completion.response(final, turn.stats.usage())
-    if req.session_id:
-        result["session_id"] = req.session_id
+    if session_id:
+        result["session_id"] = session_id
     return JSONResponse(result)
 
 

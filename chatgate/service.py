@@ -81,7 +81,7 @@ class Gateway:
         try:
             self.limiter.acquire(tenant)
         except RateLimited as e:
-            self.metrics.rate_limited.labels(self.model_name).inc()
+            self.metrics.observe_rate_limited()
             raise APIError(429, e.message, code="rate_limit_exceeded",
                            headers={"Retry-After": str(e.retry_after)}) from None
 

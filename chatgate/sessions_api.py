@@ -12,14 +12,17 @@ from chatgate.auth import authenticate
 from chatgate.errors import APIError
 from chatgate.openai_api import gateway
 from chatgate.openai_models import SESSION_ID_PATTERN
+from chatgate.session_ids import HEADER, agreed_session_id
 
 _SID_RE = re.compile(SESSION_ID_PATTERN)
 
 
 def _session_id(request: Request) -> str:
+    """The session of the URL path; an ``X-Session-Id`` header must name the same one."""
     sid = request.path_params["session_id"]
     if not _SID_RE.match(sid):
         raise APIError(404, f"No session '{sid[:128]}'.", code="session_not_found")
+    agreed_session_id({"URL path": sid, f"{HEADER} header": request.headers.get(HEADER)})
     return sid
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import uuid
 from typing import Any
 
@@ -17,8 +16,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from chatgate.body import parse_json
 from chatgate.errors import APIError, from_validation_error
-from chatgate.openai_models import SESSION_ID_PATTERN, WSParams
+from chatgate.openai_models import WSParams
 from chatgate.service import Gateway
+from chatgate.session_ids import HEADER, QUERY_PARAM, agreed_session_id
 from chatgate.sessions import SessionRecord, is_store_error
 from chatgate.tenants import Tenant
 from chatgate.turn import Turn
@@ -27,15 +27,22 @@ log = logging.getLogger("chatgate")
 
 SUBPROTOCOL = "chatgate"
 BEARER_PREFIX = "bearer."
-_SID_RE = re.compile(SESSION_ID_PATTERN)
 _encode = msgspec.json.Encoder().encode
 
 
 class WSConnection:
-    def __init__(self, ws: WebSocket, gw: Gateway, tenant: Tenant | None) -> None:
+    """``bound_session``: the session the handshake named (``session`` query parameter or
+    ``X-Session-Id`` header); the connection then only creates or resumes that one.
+    ``binding_error``: why the handshake's session naming was refused (sent at once, and
+    again for every create or resume)."""
+
+    def __init__(self, ws: WebSocket, gw: Gateway, tenant: Tenant | None,
+                 bound_session: str | None, binding_error: APIError | None) -> None:
         self.ws = ws
         self.gw = gw
         self.tenant = tenant
+        self.bound_session = bound_session
+        self.binding_error = binding_error
         self.session: SessionRecord | None = None
         self.task: asyncio.Task | None = None
         self._send_lock = asyncio.Lock()
@@ -63,6 +70,8 @@ class WSConnection:
     # ------------------------------------------------------------------ main loop
     async def run(self) -> None:
         try:
+            if self.binding_error is not None:
+                await self.error(self.binding_error.code or "error", self.binding_error.message)
             while True:
                 msg = await self.ws.receive()
                 if msg["type"] == "websocket.disconnect":
@@ -146,15 +155,15 @@ class WSConnection:
         if system is not None and not isinstance(system, str):
             raise APIError(400, "'system' must be a string.", code="invalid_params")
         assert self.tenant is not None
-        sid = uuid.uuid4().hex
+        sid = self._named_session(event) or uuid.uuid4().hex
         self.session = await self.gw.store.create(self.tenant.id, sid, system or None)
         await self.send(self._session_event())
 
     async def on_resume(self, event: dict[str, Any]) -> None:
         if self.generating:
             raise APIError(409, "An answer is being generated; cancel it first.", code="busy")
-        sid = event.get("session_id")
-        if not isinstance(sid, str) or not _SID_RE.match(sid):
+        sid = self._named_session(event)
+        if sid is None:
             raise APIError(400, "'session_id' must be a session id string.",
                            code="invalid_params")
         assert self.tenant is not None
@@ -163,6 +172,18 @@ class WSConnection:
             raise APIError(404, f"No session '{sid}'.", code="session_not_found")
         self.session = rec
         await self.send(self._session_event())
+
+    def _named_session(self, event: dict[str, Any]) -> str | None:
+        """The session that the event's ``session_id`` and the handshake name (they must
+        agree), or None if neither does."""
+        if self.binding_error is not None:
+            raise self.binding_error
+        value = event.get("session_id")
+        if value is not None and not isinstance(value, str):
+            raise APIError(400, "'session_id' must be a session id string.",
+                           code="invalid_params")
+        return agreed_session_id({f"connection's session ({QUERY_PARAM} or {HEADER})":
+                                  self.bound_session, "session_id field": value})
 
     def _params(self, event: dict[str, Any]) -> WSParams:
         raw = event.get("params") or {}
@@ -307,5 +328,13 @@ async def ws_endpoint(websocket: WebSocket) -> None:
             if tenant is None:
                 await websocket.close(code=1008)  # wrong key: refuse the handshake (403)
                 return
+    bound: str | None = None
+    binding_error: APIError | None = None
+    try:
+        bound = agreed_session_id({
+            f"'{QUERY_PARAM}' query parameter": websocket.query_params.get(QUERY_PARAM),
+            f"{HEADER} header": websocket.headers.get(HEADER)})
+    except APIError as e:
+        binding_error = e
     await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
-    await WSConnection(websocket, gw, tenant).run()
+    await WSConnection(websocket, gw, tenant, bound, binding_error).run()

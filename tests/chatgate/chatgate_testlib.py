@@ -30,6 +30,7 @@ KEYS = {
 WARM_PROMPT = "You are Warmy, a concise assistant for chatgate's warm-up test. " * 4
 ALLOWED_ORIGIN = "http://allowed.example"
 MAX_MODEL_LEN = 1024
+REPLICA_ID = "replica-under-test"
 MAX_REQUEST_BYTES = 65536
 WS_MAX_MESSAGE_BYTES = 16384
 

@@ -13,6 +13,7 @@ from chatgate_testlib import (
     MAX_MODEL_LEN,
     MAX_REQUEST_BYTES,
     REDIS_URL,
+    REPLICA_ID,
     WARM_PROMPT,
     WS_MAX_MESSAGE_BYTES,
     Server,
@@ -73,6 +74,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tenants_file: Path, redis_p
         "--ws-max-message-bytes", str(WS_MAX_MESSAGE_BYTES),
         "--allowed-origins", ALLOWED_ORIGIN,
         "--server-secret", "test-secret-0123456789abcdef",
+        "--replica-id", REPLICA_ID,
     ], log)
     srv.start()
     try:

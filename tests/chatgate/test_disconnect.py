@@ -9,7 +9,7 @@ import json
 import time
 
 import httpx
-from chatgate_testlib import KEYS, auth
+from chatgate_testlib import KEYS, REPLICA_ID, auth
 
 LONG = {"model": "smollm2", "messages": [{"role": "user", "content": "Write a long essay."}],
         "max_tokens": 500, "ignore_eos": True, "stream": True, "temperature": 0}
@@ -111,7 +111,8 @@ async def test_metrics_see_the_abort(server):
     await _wait_running(server, at_most=0, timeout=1.0)
     m1 = await asyncio.to_thread(server.metrics)
     assert m1["chatgate:num_requests_running"] == 0
-    key = 'chatgate:request_success_total{finished_reason="abort",model_name="smollm2"}'
+    key = ('chatgate:request_success_total{finished_reason="abort",model_name="smollm2",'
+           f'replica="{REPLICA_ID}"}}')
     assert m1.get(key, 0) >= m0.get(key, 0) + 1
 
 
