@@ -232,9 +232,16 @@ class TurnResult:
     acknowledged: bool = False
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    completion_tokens: int = 0
+    sent_at: float = 0.0
     first_content_at: float | None = None
     ended_at: float = 0.0
     error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from sending the turn to its first content."""
+        return None if self.first_content_at is None else self.first_content_at - self.sent_at
 
     @property
     def computed_tokens(self) -> int:
@@ -252,15 +259,17 @@ class ChatSession:
 
 
 async def stream_turn(client: httpx.AsyncClient, url: str, session: ChatSession, user: str,
-                      max_tokens: int, started: asyncio.Event | None = None) -> TurnResult:
-    """Send ``user`` as the session's next turn (SSE, ``X-Session-Id``) and read the stream to
-    its end; an acknowledged turn is added to ``session.messages``. ``started`` is set at the
-    first content delta. Never raises for a failed turn: the result says what happened."""
+                      max_tokens: int, started: asyncio.Event | None = None,
+                      ignore_eos: bool = True) -> TurnResult:
+    """Send ``user`` as the session's next turn (SSE, ``X-Session-Id``, greedy) and read the
+    stream to its end; an acknowledged turn is added to ``session.messages``. ``started`` is
+    set at the first content delta. Never raises for a failed turn: the result says what
+    happened."""
     messages = [*session.messages, {"role": "user", "content": user}]
     body = {"model": "smollm2", "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True,
+            "temperature": 0, "ignore_eos": ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
-    result = TurnResult()
+    result = TurnResult(sent_at=time.monotonic())
     finished = False
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body,
@@ -294,6 +303,7 @@ async def stream_turn(client: httpx.AsyncClient, url: str, session: ChatSession,
                         result.prompt_tokens = event["usage"]["prompt_tokens"]
                         result.cached_tokens = event["usage"]["prompt_tokens_details"][
                             "cached_tokens"]
+                        result.completion_tokens = event["usage"]["completion_tokens"]
                 if not result.acknowledged and result.error is None:
                     result.error = "stream ended without [DONE]"
     except httpx.HTTPError as e:
