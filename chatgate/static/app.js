@@ -26,6 +26,8 @@ const state = {
   retryTimer: null,
   authFailed: false,   // stop reconnecting until a new key is saved
   sessionId: null,
+  wsSession: null,     // the session named in the open socket's URL
+  pending: [],         // frames waiting for a socket bound to the open conversation
   creating: false,     // sent session.create, waiting for its `session` event
   messages: [],        // [{role, content}] of the open conversation, as the server has it
   busy: false,         // an answer is streaming
@@ -100,12 +102,22 @@ function samplingParams() {
 
 // ---------------------------------------------------------------- WebSocket
 
+/** A new session id (hex), chosen here so that the socket's URL can name it. */
+function newSessionId() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
 function connect() {
   clearTimeout(state.retryTimer);
   const url = new URL("v1/ws", location.href);
   url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
+  // The URL names the conversation: a load balancer in front of several gateways routes on
+  // it, so the socket reaches the replica that holds the session's KV cache.
+  if (state.sessionId) url.searchParams.set("session", state.sessionId);
   const ws = new WebSocket(url);
   state.ws = ws;
+  state.wsSession = state.sessionId;
   setConn("connecting");
 
   ws.onopen = () => {
@@ -116,10 +128,12 @@ function connect() {
     hideBanner("warn");
     const key = apiKey();
     if (key) ws.send(JSON.stringify({ type: "auth", api_key: key }));
-    // A dropped socket loses the server-side session binding: resume it first.
+    // A new socket has no server-side session binding: resume it first.
     if (state.sessionId && !state.creating) {
       ws.send(JSON.stringify({ type: "session.resume", session_id: state.sessionId }));
     }
+    for (const frame of state.pending) ws.send(JSON.stringify(frame));
+    state.pending = [];
   };
 
   ws.onmessage = (ev) => {
@@ -139,7 +153,11 @@ function connect() {
     state.ws = null;
     setConn("closed");
     if (state.busy) endTurn({ interrupted: true });
-    state.creating = false; // a create that got no answer is redone by the next message
+    state.pending = [];
+    if (state.creating) { // a create that got no answer is redone by the next message
+      state.creating = false;
+      state.sessionId = null;
+    }
     if (AUTH_CLOSE_CODES.has(ev.code) || state.authFailed) {
       state.authFailed = true;
       showKeyForm(authMessage());
@@ -159,13 +177,16 @@ function reconnect() {
   connect();
 }
 
-/** Send a frame if the socket is up (a resume is sent by onopen anyway). */
+/** Send a frame on a socket whose URL names the open conversation; otherwise queue it for
+ * the socket that does, (re)connecting. */
 function send(frame) {
-  if (isOpen()) {
+  const bound = state.wsSession === state.sessionId;
+  if (isOpen() && bound) {
     state.ws.send(JSON.stringify(frame));
     return true;
   }
-  if (!state.ws && !state.authFailed) connect();
+  state.pending.push(frame);
+  if (!state.authFailed && (!state.ws || !bound)) reconnect();
   return false;
 }
 
@@ -399,8 +420,9 @@ function sendMessage() {
   if (!text.trim() || state.busy || !requireSocket()) return;
   if (!state.sessionId && !state.creating) {
     state.creating = true;
+    state.sessionId = newSessionId();
     const system = el.system.value.trim();
-    send({ type: "session.create", ...(system ? { system } : {}) });
+    send({ type: "session.create", session_id: state.sessionId, ...(system ? { system } : {}) });
     if (system) renderHistory(system);
   }
   el.intro.hidden = true;
@@ -460,7 +482,8 @@ function openSession(id) {
   state.messages = [];
   el.messages.replaceChildren();
   el.intro.hidden = true;
-  send({ type: "session.resume", session_id: id });
+  if (state.wsSession === id && isOpen()) send({ type: "session.resume", session_id: id });
+  else reconnect(); // the new socket's URL names the session; it resumes it on open
   openSidebar(false);
 }
 

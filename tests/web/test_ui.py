@@ -161,6 +161,8 @@ def test_chat_in_the_browser(server: str, browser) -> None:
     page = ctx.new_page()
     problems = _watch(page)
     frames: list[dict] = []
+    sockets: list[str] = []
+    page.on("websocket", lambda ws: sockets.append(ws.url))
     page.on("websocket", lambda ws: ws.on(
         "framereceived", lambda payload: frames.append(json.loads(payload))))
     page.goto(server)
@@ -202,6 +204,8 @@ def test_chat_in_the_browser(server: str, browser) -> None:
     _wait_answers(page, 1)
     sid = page.evaluate("location.hash.slice(1)")
     assert re.fullmatch(r"[0-9a-f]{8,}", sid), sid
+    # The conversation's socket names it in its URL: what a load balancer routes on.
+    assert sockets[-1].endswith(f"/v1/ws?session={sid}"), sockets
 
     # The answer streamed in (several deltas, shown while still streaming) and rendered as
     # Markdown: the fenced block is a highlighted <pre><code>.
@@ -351,7 +355,7 @@ def test_malicious_answer_from_the_server_does_not_run(server: str, browser) -> 
 
         upstream.on_message(from_server)
 
-    page.route_web_socket(re.compile(r"/v1/ws$"), route)
+    page.route_web_socket(re.compile(r"/v1/ws(\?|$)"), route)
     page.goto(server)
     _send(page, "Say hi.")
     _wait_answers(page, 1)
