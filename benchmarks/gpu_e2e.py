@@ -368,7 +368,7 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
     weight_bytes += model.lm_head.numel() * model.lm_head.element_size()
     weight_bytes += batch * model.embed.shape[1] * model.embed.element_size()  # rows gathered
     kv_bytes = (2 * len(model.layers) * batch * ctx * model.num_kv_heads * model.head_dim
-                * model.embed.element_size())
+                * runner.kv_cache.element_size())
     if not runner.graphs or batch not in runner.graphs:
         return {"skipped": "no CUDA graph of that batch size (eager run or CPU)"}
     with torch.inference_mode():

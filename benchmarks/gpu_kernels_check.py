@@ -3,7 +3,9 @@
 Large shapes, fresh random inputs for every case, outputs poisoned with NaN before each call,
 every configuration the kernels support (dtypes, head dims, block sizes, GQA ratios), the
 direct and split-K decode paths, mixed decode + prefill + extend batches, reshape_and_cache
-with padding slots, a CUDA-graph capture of the decode path, and the ``kernels`` dispatcher.
+with padding slots, a CUDA-graph capture of the decode path, and the ``kernels`` dispatcher;
+FP8 caches (decode, mixed batches, and the cache writes of ``reshape_and_cache`` and
+``rotary_and_cache``, which must store the very codes torch's conversion gives).
 The fused elementwise kernels (``kernels/triton_fused.py``) are checked against transformers'
 op-by-op torch code on the same GPU: the fraction of output elements that are not bit-identical
 (rotary and the residual add must be exact; the norm's mean and SiLU's exp may move a rare bf16
@@ -118,6 +120,53 @@ def cache_case(dtype: torch.dtype, head_dim: int, block_size: int, num_kv_heads:
     triton_cache.reshape_and_cache(key, value, key_cache, value_cache, slots.to(torch.int32))
     return max((key_cache.float() - want_k.float()).abs().max().item(),
                (value_cache.float() - want_v.float()).abs().max().item())
+
+
+K_SCALE, V_SCALE = 0.013, 0.021  # FP8 cases: N(0, 1) values become codes up to ~350
+
+
+def fp8_attention_case(seqs: list[tuple[int, int]], num_splits: int | None = None) -> float:
+    """Attention over FP8 caches against the float64 reference over their dequantized values."""
+    batch = Paged(seqs, torch.bfloat16, 128, 16, 8, 4)
+    k8 = reference.to_cache(batch.key_cache, reference.FP8, K_SCALE)
+    v8 = reference.to_cache(batch.value_cache, reference.FP8, V_SCALE)
+    out = torch.full_like(batch.query, float("nan"))
+    triton_attention.paged_attention(batch.query, k8, v8, *batch.tail(), out=out,
+                                     num_splits=num_splits, k_scale=K_SCALE, v_scale=V_SCALE)
+    torch.cuda.synchronize()
+    want = reference.paged_attention(
+        batch.query.double(), reference.from_cache(k8, torch.float64, K_SCALE),
+        reference.from_cache(v8, torch.float64, V_SCALE), *batch.tail())
+    return rel_err(out, want)
+
+
+def fp8_write_case(fused: bool) -> float:
+    """Fraction of FP8 codes that differ from torch's conversion (0 expected): the cache writes
+    of ``reshape_and_cache`` or of ``rotary_and_cache`` (then on the rotated keys)."""
+    num_blocks, block_size, num_kv_heads, head_dim, n = 600, 16, 8, 128, 4000
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.zeros(shape, device="cuda", dtype=reference.FP8) for _ in range(4)]
+    key = torch.randn(n, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16) * 4
+    value = torch.randn_like(key) * 4
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:n]
+    slots[torch.rand(n, device="cuda") < 0.2] = -1
+    if fused:
+        q = torch.randn(n, 32, head_dim, device="cuda", dtype=torch.bfloat16)
+        angles = torch.rand(n, head_dim // 2, device="cuda") * 6
+        cos = torch.cat([angles.cos()] * 2, -1).to(torch.bfloat16)
+        sin = torch.cat([angles.sin()] * 2, -1).to(torch.bfloat16)
+        reference.rotary_and_cache(q.clone(), key, value, cos, sin, caches[0], caches[1], slots,
+                                   K_SCALE, V_SCALE)
+        triton_fused.rotary_and_cache(q, key, value, cos, sin, caches[2], caches[3], slots,
+                                      K_SCALE, V_SCALE)
+    else:
+        reference.reshape_and_cache(key, value, caches[0], caches[1], slots, K_SCALE, V_SCALE)
+        triton_cache.reshape_and_cache(key, value, caches[2], caches[3], slots, K_SCALE,
+                                       V_SCALE)
+    torch.cuda.synchronize()
+    differ = [(a.view(torch.uint8) != b.view(torch.uint8)).float().mean().item()
+              for a, b in ((caches[2], caches[0]), (caches[3], caches[1]))]
+    return max(differ)
 
 
 def graph_case(num_seqs: int, replays: int) -> float:
@@ -287,6 +336,16 @@ def main() -> int:
            BOUND[torch.bfloat16])
     record("bf16 d64 bs16 kv2 g4", "kernels dispatch", dispatch_case, BOUND[torch.bfloat16])
     record("fp32 256 x 128256", "sampling noise", noise_case, 4 * torch.finfo().eps)
+    fp8 = "fp8 cache, bf16 d128 bs16 kv8 g4"
+    decode_lens = [(1, int(n)) for n in torch.randint(1, 4000, (48,))]
+    record(fp8, "decode split-K", lambda: fp8_attention_case(decode_lens), BOUND[torch.bfloat16])
+    record(fp8, "decode 1 split", lambda: fp8_attention_case(decode_lens, 1),
+           BOUND[torch.bfloat16])
+    record(fp8, "mixed+prefix", lambda: fp8_attention_case(
+        [(1, 3000), (300, 300), (1, 17), (200, 2200), (1, 900)]), BOUND[torch.bfloat16])
+    record(fp8, "reshape_and_cache codes", lambda: fp8_write_case(False), 0.0)
+    # the reference rotates with separate roundings; fp32 FMA-free fused math matches it
+    record(fp8, "rotary+cache codes", lambda: fp8_write_case(True), 0.0)
     for dtype in (torch.bfloat16, torch.float32):
         for case, fn in fused_cases(dtype).items():
             exact = FUSED_BOUND[case] == 0.0

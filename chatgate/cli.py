@@ -32,6 +32,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="explicit KV-cache size in blocks (overrides memory sizing)")
     e.add_argument("--kv-cache-bytes", type=int, default=None,
                    help="KV-cache byte budget (CPU sizing)")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache element type: auto (the model's dtype) or fp8 (e4m3 with "
+                        "per-layer scales: twice the blocks in the same memory)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--max-num-seqs", type=int, default=128)
     e.add_argument("--max-model-len", type=int, default=None)
@@ -93,6 +96,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         model=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,

@@ -22,6 +22,7 @@ class EngineSettings(BaseModel):
     block_size: Literal[8, 16, 32] = 16
     num_kv_blocks: int | None = Field(default=None, ge=1)
     kv_cache_bytes: int | None = Field(default=None, ge=1)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     max_num_seqs: int = Field(default=128, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 import torch
 
 BLOCK_SIZES = (8, 16, 32)
+# KV cache element types (vLLM's names): "auto" is the model's dtype; "fp8" (or "fp8_e4m3")
+# stores float8_e4m3fn codes with one K and one V scale per layer.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -18,6 +21,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -48,6 +52,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.admission_batch is not None and self.admission_batch < 1:
             raise ValueError(f"admission_batch must be at least 1, got {self.admission_batch}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

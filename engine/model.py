@@ -103,6 +103,8 @@ class LlamaModel:
         self.cos, self.sin = cos[0], sin[0]
         # the norm after each layer's MLP: the next layer's input norm, then the final norm
         self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        # each layer's (k_scale, v_scale) for an FP8 KV cache (set by the runner; see kernels)
+        self.kv_scales = [(1.0, 1.0)] * len(self.layers)
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> _Layer:
@@ -165,19 +167,19 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         x = kernels.rms_norm(h, self.layers[0].input_norm, self.eps)
         cos, sin = self.cos[positions], self.sin[positions]
-        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms,
-                                                       strict=True)):
+        for index, (layer, next_norm, (k_scale, v_scale)) in enumerate(
+                zip(self.layers, self.next_norms, self.kv_scales, strict=True)):
             q, k, v = self._qkv(layer, x)
             q = q.view(n, self.num_heads, self.head_dim)
             k = k.view(n, self.num_kv_heads, self.head_dim)
             v = v.view(n, self.num_kv_heads, self.head_dim)
             key_cache, value_cache = kv_cache[0, index], kv_cache[1, index]
             kernels.rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache,
-                                     meta.slot_mapping)
+                                     meta.slot_mapping, k_scale, v_scale)
             o = kernels.paged_attention(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
-                out=meta.attn_out, plan=meta.plan,
+                out=meta.attn_out, plan=meta.plan, k_scale=k_scale, v_scale=v_scale,
             )
             x = kernels.add_rms_norm(_linear(o.reshape(n, -1), layer.o), h, layer.post_norm,
                                      self.eps)

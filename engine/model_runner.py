@@ -10,9 +10,15 @@ next padded batch size (:func:`graph_batch_sizes`). The graph reads static buffe
 have slot ``-1`` (nothing written), ``seq_len`` 0 (attention yields zeros) and block-table rows
 that hold valid ids; block tables are ``ceil(max_model_len / block_size)`` wide, and attention
 is captured with ``max_seq_len = max_model_len``, so one graph serves every context length.
+
+An FP8 KV cache (``kv_cache_dtype="fp8"``) gets its per-layer scales at start-up, before any
+graph is captured: a forward pass over ``CALIBRATION_TOKENS`` seeded random token ids into a
+model-dtype scratch cache, each scale ``FP8_HEADROOM`` × the layer's largest |K| (|V|) over the
+FP8 maximum. Larger values saturate rather than overflow.
 """
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -27,6 +33,8 @@ logger = logging.getLogger("engine.model_runner")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 MAX_GRAPH_BATCH_SIZE = 256
+CALIBRATION_TOKENS = 512
+FP8_HEADROOM = 2.0
 
 
 def graph_batch_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH_SIZE) -> list[int]:
@@ -54,12 +62,16 @@ class ModelRunner:
         self.device = model.device
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        fp8 = config.kv_cache_dtype.startswith("fp8")
+        self.cache_dtype = kernels.reference.FP8 if fp8 else model.dtype
         self.num_blocks = self._num_blocks(config, max_model_len)
-        shape = (2, len(model.layers), self.num_blocks, self.block_size,
-                 model.num_kv_heads, model.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks,
-                    self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        self.kv_cache = torch.zeros(self._cache_shape(self.num_blocks), dtype=self.cache_dtype,
+                                    device=self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks,
+                    self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+                    self.cache_dtype)
+        if fp8:
+            model.kv_scales = self._calibrate_kv_scales()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_sizes: list[int] = []
         self.num_graph_steps = 0
@@ -67,11 +79,13 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs(graph_batch_sizes(config.max_num_seqs))
 
+    def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        m = self.model
+        return (2, len(m.layers), num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+
     @property
     def bytes_per_block(self) -> int:
-        m = self.model
-        return (2 * len(m.layers) * self.block_size * m.num_kv_heads * m.head_dim
-                * torch.tensor([], dtype=m.dtype).element_size())
+        return math.prod(self._cache_shape(1)) * self.cache_dtype.itemsize
 
     def _num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         if config.num_kv_blocks is not None:
@@ -98,8 +112,8 @@ class ModelRunner:
         per_seq = [-(-n // self.block_size) for n in lens]
         blocks = sum(per_seq)
         m = self.model
-        scratch = torch.zeros((2, len(m.layers), blocks, self.block_size, m.num_kv_heads,
-                               m.head_dim), dtype=m.dtype, device=self.device)
+        scratch = torch.zeros(self._cache_shape(blocks), dtype=self.cache_dtype,
+                              device=self.device)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -134,6 +148,34 @@ class ModelRunner:
                     in_use / 2**30, activation_peak / 2**30, budget / 2**30,
                     config.gpu_memory_utilization)
         return budget
+
+    @torch.inference_mode()
+    def _calibrate_kv_scales(self) -> list[tuple[float, float]]:
+        """Each layer's FP8 ``(k_scale, v_scale)`` from one forward pass (module docstring)."""
+        m = self.model
+        n = min(CALIBRATION_TOKENS, self.max_model_len)
+        blocks = -(-n // self.block_size)
+        scratch = torch.zeros(self._cache_shape(blocks), dtype=m.dtype, device=self.device)
+        vocab = m.vocab_limit or m.embed.shape[0]
+        ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
+        tables = torch.arange(blocks, dtype=torch.int32)[None, :]
+        seq_lens = torch.tensor([n], dtype=torch.int32)
+        query_start = torch.tensor([0, n], dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(np.arange(n)),
+            block_tables=self._to_device(tables.numpy()),
+            seq_lens=self._to_device(seq_lens.numpy()),
+            query_start_loc=self._to_device(query_start.numpy()),
+            max_query_len=n, max_seq_len=n,
+            plan=kernels.attention_plan(tables, seq_lens, query_start, self.block_size)
+            if self.device.type == "cpu" else None,
+        )
+        m.forward(ids.to(self.device), self._to_device(np.arange(n)), meta, scratch)
+        amax = scratch.abs().amax(dim=(2, 3, 4, 5)).float()  # [2, num_layers]
+        scales = (amax * FP8_HEADROOM / kernels.reference.FP8_MAX).clamp_min(1e-6).tolist()
+        logger.info("FP8 KV scales: k %.3g..%.3g, v %.3g..%.3g", min(scales[0]), max(scales[0]),
+                    min(scales[1]), max(scales[1]))
+        return list(zip(scales[0], scales[1], strict=True))
 
     # -- host-side metadata ------------------------------------------------------------------
 
@@ -182,7 +224,8 @@ class ModelRunner:
         if batch.copies:
             src = torch.tensor([s for s, _ in batch.copies], device=self.device)
             dst = torch.tensor([d for _, d in batch.copies], device=self.device)
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            raw = self.kv_cache.view(torch.uint8)  # no FP8 indexing kernels; bytes copy alike
+            raw[:, :, dst] = raw[:, :, src]
         host = self._host_metadata(batch)
         n = len(batch.seqs)
         padded = (padded_batch_size(n, self.graph_sizes)

@@ -2,6 +2,9 @@
 
 Layout shared by every implementation:
 - ``key_cache`` / ``value_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+- The caches hold the model's dtype, or FP8 (``torch.float8_e4m3fn``) with one ``k_scale`` and
+  one ``v_scale`` per layer: a cached value is its FP8 code times the scale. Writes divide by
+  the scale and saturate at ±448; reads multiply. Scales are ignored for other dtypes.
 - A slot is ``block_id * block_size + offset``; a negative slot means "padding, skip".
 - ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's
   last block are never read for attention but must hold a valid block id (the engine pads with 0).

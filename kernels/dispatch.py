@@ -11,14 +11,18 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write ``key``/``value`` rows ``[num_tokens, num_kv_heads, head_dim]`` into their slots."""
     if key.is_cuda:
         from kernels import triton_cache
 
-        triton_cache.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        triton_cache.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                       k_scale, v_scale)
     else:
-        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                    k_scale, v_scale)
 
 
 def paged_attention(
@@ -33,6 +37,8 @@ def paged_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     plan: reference.AttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache, written
     into ``out`` when given (a static buffer, for CUDA graphs) and returned. ``plan``: the
@@ -42,11 +48,12 @@ def paged_attention(
 
         return triton_attention.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            scale, max_query_len, max_seq_len, out=out,
+            scale, max_query_len, max_seq_len, out=out, k_scale=k_scale, v_scale=v_scale,
         )
     return reference.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, max_query_len, max_seq_len, out=out, plan=plan,
+        scale, max_query_len, max_seq_len, out=out, plan=plan, k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -105,8 +112,10 @@ def rotary_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Rotate ``query`` in place by each token's rotary rows ``cos``/``sin [num_tokens,
     head_dim]``, and write the rotated ``key`` and ``value`` into their cache slots."""
     _fused_or_reference(query).rotary_and_cache(query, key, value, cos, sin, key_cache,
-                                                value_cache, slot_mapping)
+                                                value_cache, slot_mapping, k_scale, v_scale)

@@ -9,6 +9,31 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` as stored in a cache of ``dtype``: cast, or for FP8 divided by the layer's scale
+    and saturated to the format's range (a plain cast would turn overflow into NaN)."""
+    if dtype == FP8:
+        return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return x.to(dtype)
+
+
+def _select(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache.index_select(0, index)``, through a byte view for FP8 (no CPU kernel of its own)."""
+    if cache.dtype == FP8:
+        return cache.view(torch.uint8).index_select(0, index).view(FP8)
+    return cache.index_select(0, index)
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cached values back in ``dtype``: FP8 codes times the layer's scale."""
+    if x.dtype == FP8:
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
+
 
 def reshape_and_cache(
     key: torch.Tensor,
@@ -16,21 +41,26 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    flat_k = key_cache.view(-1, *key_cache.shape[2:])
-    flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    flat_k.index_copy_(0, slots, key[keep].to(key_cache.dtype))
-    flat_v.index_copy_(0, slots, value[keep].to(value_cache.dtype))
+    for rows, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        flat = cache.view(-1, *cache.shape[2:])
+        new = to_cache(rows[keep], cache.dtype, scale)
+        if cache.dtype == FP8:
+            flat, new = flat.view(torch.uint8), new.view(torch.uint8)
+        flat.index_copy_(0, slots, new)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype,
+            scale: float) -> torch.Tensor:
     """The first ``length`` tokens of one sequence as ``[length, num_kv_heads, head_dim]``."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.view(-1, *cache.shape[2:])[:length]
+    blocks = _select(cache, block_table[:num_blocks].long())
+    return from_cache(blocks.view(-1, *cache.shape[2:])[:length], dtype, scale)
 
 
 @dataclass(frozen=True)
@@ -80,18 +110,20 @@ def paged_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """``plan``: :func:`attention_plan` of these tensors, when the caller computed it once for
-    every layer of the step."""
+    every layer of the step. ``k_scale``/``v_scale``: the layer's FP8 cache scales."""
     out = torch.empty_like(query) if out is None else out
     if plan is None:
         plan = attention_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1])
     if plan.decode_rows:
-        _decode(query, key_cache, value_cache, plan, scale, out)
+        _decode(query, key_cache, value_cache, plan, scale, out, k_scale, v_scale)
     for i in plan.extend_rows:
         begin, end = plan.starts[i], plan.starts[i + 1]
         _extend(query[begin:end], key_cache, value_cache, block_tables[i], plan.lens[i], scale,
-                out[begin:end])
+                out[begin:end], k_scale, v_scale)
     return out
 
 
@@ -103,11 +135,13 @@ def _extend(
     length: int,
     scale: float,
     out: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
 ) -> None:
     """Many queries of one sequence: causal over the new tokens, full over the cached prefix."""
     q_len = q.shape[0]
-    k = _gather(key_cache, block_table, length).to(q.dtype)
-    v = _gather(value_cache, block_table, length).to(q.dtype)
+    k = _gather(key_cache, block_table, length, q.dtype, k_scale)
+    v = _gather(value_cache, block_table, length, q.dtype, v_scale)
     positions = torch.arange(length - q_len, length, device=q.device)
     mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]
     o = F.scaled_dot_product_attention(
@@ -124,12 +158,16 @@ def _decode(
     plan: AttentionPlan,
     scale: float,
     out: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
 ) -> None:
     """One query per sequence: pad every context to the longest and mask the padding."""
     rows, longest = len(plan.decode_rows), plan.decode_len
     shape = (rows, plan.decode_blocks.numel() // rows * key_cache.shape[1], *key_cache.shape[2:])
-    k = key_cache.index_select(0, plan.decode_blocks).view(shape)[:, :longest].to(query.dtype)
-    v = value_cache.index_select(0, plan.decode_blocks).view(shape)[:, :longest].to(query.dtype)
+    k = from_cache(_select(key_cache, plan.decode_blocks).view(shape)[:, :longest], query.dtype,
+                   k_scale)
+    v = from_cache(_select(value_cache, plan.decode_blocks).view(shape)[:, :longest],
+                   query.dtype, v_scale)
     tokens = plan.decode_tokens
     q = (query if tokens is None else query[tokens]).unsqueeze(2)
     o = F.scaled_dot_product_attention(
@@ -174,11 +212,13 @@ def rotary_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     query.copy_(query * cos + _rotate_half(query) * sin)
     key = key * cos + _rotate_half(key) * sin
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 NOISE_GOLDEN, NOISE_MIX1, NOISE_MIX2 = 0x9E3779B1, 0x21F0AAAD, 0x735A2D97  # odd, < 2**32

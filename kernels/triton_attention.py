@@ -13,6 +13,8 @@ Two kernels share one entry point, with no host synchronisation:
 
 Rows with ``q_len == 0`` are skipped; a decode row with ``seq_len == 0`` yields zeros.
 All softmax arithmetic is in float32 (base 2); ``tl.dot`` uses IEEE float32 for float32 inputs.
+An FP8 cache is read as it is stored, converted to the query's dtype (exact) for ``tl.dot``;
+its ``k_scale`` folds into the softmax scale and ``v_scale`` into the output.
 """
 
 import functools
@@ -23,15 +25,18 @@ import torch
 import triton
 import triton.language as tl
 
-# Launch configurations (block sizes, warps, stages), keyed by "16-bit" / "32-bit" inputs.
+# Launch configurations (block sizes, warps, stages), keyed by "16-bit" / "32-bit" queries and
+# "8" for 16-bit queries over an FP8 cache.
 # benchmarks/attention_kernels.py sweeps alternatives on the GPU; correctness does not
 # depend on them.
 DECODE_CONFIG: dict[str, dict[str, int]] = {
+    "8": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3},
     "16": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
     "32": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
 }
 REDUCE_WARPS = 1  # the split merge is a few hundred bytes per head: one warp is fastest
 EXTEND_CONFIG: dict[str, dict[str, int]] = {
+    "8": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     "16": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     "32": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
 }
@@ -60,7 +65,7 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     out_ptr, mid_o_ptr, mid_lse_ptr,
-    qk_scale, num_splits,
+    qk_scale, v_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch,
     stride_bs, stride_bb,
@@ -68,6 +73,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_FP16: tl.constexpr,
 ):
     """One (sequence, KV head, split): all query heads of the KV head over one token range."""
     seq = tl.program_id(0)
@@ -88,6 +94,8 @@ def _decode_kernel(
     q_row = q_start.to(tl.int64) * stride_qt
     q = tl.load(q_ptr + q_row + heads[:, None] * stride_qh + d[None, :],
                 mask=head_ok[:, None], other=0.0)
+    if DOT_FP16:
+        q = q.to(tl.float16)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bs
     kv_off = kv_head.to(tl.int64) * stride_ch
 
@@ -111,7 +119,7 @@ def _decode_kernel(
         m = m_new
 
     nonempty = lsum > 0
-    o = acc / tl.where(nonempty, lsum, 1.0)[:, None]
+    o = acc / tl.where(nonempty, lsum, 1.0)[:, None] * v_scale  # exact when v_scale is 1
     if DIRECT:
         dst = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
@@ -187,13 +195,13 @@ def _extend_tile(
 @triton.jit
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch,
     stride_bs, stride_bb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_FP16: tl.constexpr,
 ):
     """One (query tile, sequence, query head) of a sequence with ``q_len > 1``; the tiles
     with the most keys (the last ones) are launched first."""
@@ -213,6 +221,8 @@ def _extend_kernel(
     tokens = q_start.to(tl.int64) + r
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
+    if DOT_FP16:
+        q = q.to(tl.float16)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bs
     kv_off = (head // GROUP).to(tl.int64) * stride_ch
 
@@ -233,7 +243,7 @@ def _extend_kernel(
             qk_scale, stride_cb, stride_ct, stride_bb,
             BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST,
         )
-    o = acc / lsum[:, None]
+    o = acc / lsum[:, None] * v_scale
     dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -273,6 +283,8 @@ def paged_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache.
 
@@ -297,10 +309,17 @@ def paged_attention(
     if key_cache.stride() != value_cache.stride():
         raise ValueError("key_cache and value_cache must share strides")
     group = num_heads // num_kv_heads
-    bits = "32" if query.dtype == torch.float32 else "16"
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    bits = "32" if query.dtype == torch.float32 else "8" if fp8 else "16"
     precision = "ieee" if bits == "32" else "tf32"
-    upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    qk_scale = scale * _LOG2E
+    # FP8 codes convert to fp16 in one instruction (to bf16 through fp32): 16-bit queries and
+    # probabilities meet them in fp16, which holds every code exactly
+    dot_fp16 = fp8 and bits == "8"
+    upcast = (query.dtype == torch.bfloat16 and not dot_fp16
+              and os.environ.get("TRITON_INTERPRET") == "1")
+    if not fp8:
+        k_scale = v_scale = 1.0
+    qk_scale = scale * _LOG2E * k_scale
     cache_strides = (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))
     table_strides = (block_tables.stride(0), block_tables.stride(1))
     q_strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1))
@@ -322,11 +341,11 @@ def paged_attention(
         mid_strides = (num_heads * splits, splits, 1)  # in rows of head_dim / lse entries
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        out, mid_o, mid_lse, qk_scale, splits,
+        out, mid_o, mid_lse, qk_scale, v_scale, splits,
         *q_strides, *cache_strides, *table_strides, *mid_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        DIRECT=splits == 1, PRECISION=precision, UPCAST=upcast,
+        DIRECT=splits == 1, PRECISION=precision, UPCAST=upcast, DOT_FP16=dot_fp16,
         num_warps=cfg["num_warps"], num_stages=stages,
     )
     if splits > 1:
@@ -342,10 +361,10 @@ def paged_attention(
         grid = (math.ceil(max_query_len / cfg["BLOCK_M"]), num_seqs, num_heads)
         _extend_kernel[grid](
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-            qk_scale, *q_strides, *cache_strides, *table_strides,
+            qk_scale, v_scale, *q_strides, *cache_strides, *table_strides,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=max(cfg["BLOCK_N"], block_size),
-            PRECISION=precision, UPCAST=upcast,
+            PRECISION=precision, UPCAST=upcast, DOT_FP16=dot_fp16,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return out

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_cache import to_cache
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -106,8 +108,8 @@ def _rotate(x_ptrs, c1, c2, s1, s2, mask, HALF: tl.constexpr):
 def _rotary_and_cache_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, key_cache_ptr, value_cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
-    stride_cb, stride_ct, stride_ch, block_size, num_heads, num_kv_heads,
-    HALF: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+    stride_cb, stride_ct, stride_ch, block_size, num_heads, num_kv_heads, k_scale, v_scale,
+    HALF: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, FP8: tl.constexpr,
 ):
     """One token: every query head rotated in place, every K/V head written to its slot."""
     token = tl.program_id(0).to(tl.int64)
@@ -131,11 +133,13 @@ def _rotary_and_cache_kernel(
         dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct \
             + kv_heads * stride_ch + d
         ty = key_cache_ptr.dtype.element_ty
-        tl.store(key_cache_ptr + dst, k_first.to(ty), mask=kv_ok)
-        tl.store(key_cache_ptr + dst + HALF, k_second.to(ty), mask=kv_ok)
+        tl.store(key_cache_ptr + dst, to_cache(k_first, k_scale, ty, FP8), mask=kv_ok)
+        tl.store(key_cache_ptr + dst + HALF, to_cache(k_second, k_scale, ty, FP8), mask=kv_ok)
         v = v_ptr + token * stride_vt + kv_heads * stride_vh + d
-        tl.store(value_cache_ptr + dst, tl.load(v, mask=kv_ok).to(ty), mask=kv_ok)
-        tl.store(value_cache_ptr + dst + HALF, tl.load(v + HALF, mask=kv_ok).to(ty), mask=kv_ok)
+        tl.store(value_cache_ptr + dst, to_cache(tl.load(v, mask=kv_ok), v_scale, ty, FP8),
+                 mask=kv_ok)
+        tl.store(value_cache_ptr + dst + HALF,
+                 to_cache(tl.load(v + HALF, mask=kv_ok), v_scale, ty, FP8), mask=kv_ok)
 
 
 def rotary_and_cache(
@@ -147,9 +151,12 @@ def rotary_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Rotate ``query [num_tokens, num_heads, head_dim]`` in place and write the rotated
-    ``key`` and ``value [num_tokens, num_kv_heads, head_dim]`` into their cache slots.
+    ``key`` and ``value [num_tokens, num_kv_heads, head_dim]`` into their cache slots
+    (an FP8 cache stores them divided by ``k_scale``/``v_scale``).
 
     ``cos``/``sin`` are ``[num_tokens, head_dim]``, each token's rows of the rotary tables; a
     negative slot skips the cache write (padding). ``key`` itself is left unrotated.
@@ -168,8 +175,9 @@ def rotary_and_cache(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         value.stride(0), value.stride(1), cos.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        key_cache.shape[1], num_heads, num_kv_heads, HALF=head_dim // 2,
+        key_cache.shape[1], num_heads, num_kv_heads, k_scale, v_scale, HALF=head_dim // 2,
         HEADS_PAD=triton.next_power_of_2(num_heads),
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        FP8=key_cache.dtype == torch.float8_e4m3fn,
         enable_fp_fusion=False,  # no FMA: fp32 products round before the add, as in torch
     )

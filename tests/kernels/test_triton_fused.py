@@ -98,3 +98,24 @@ def test_rotary_and_cache(dtype, num_heads, num_kv_heads, head_dim, block_size) 
     flat = caches[2].view(num_blocks * block_size, -1)
     assert not torch.isnan(flat[written]).any()
     assert torch.isnan(flat[~written]).all(), "padding rows must not be written"
+
+
+def test_rotary_and_cache_fp8_matches_the_reference(assert_fp8_codes_equal) -> None:
+    """Into an FP8 cache the rotated key and the value are stored divided by their scales."""
+    gen = torch.Generator().manual_seed(2)
+    n, num_heads, num_kv_heads, head_dim, block_size = 5, 4, 2, 64, 16
+    q = torch.randn(n, num_heads, head_dim, generator=gen)
+    k = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+    angles = torch.rand(n, head_dim // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    slots = torch.tensor([1, -1, 20, 33, 7])
+    shape = (3, block_size, num_kv_heads, head_dim)
+    caches = [torch.zeros(shape, dtype=reference.FP8) for _ in range(4)]
+    want_q = q.clone()
+    reference.rotary_and_cache(want_q, k, v, cos, sin, caches[0], caches[1], slots, 0.02, 0.03)
+    triton_fused.rotary_and_cache(q, k, v, cos, sin, caches[2], caches[3], slots, 0.02, 0.03)
+    assert torch.equal(q, want_q)
+    assert_fp8_codes_equal(caches[2], caches[0])
+    assert_fp8_codes_equal(caches[3], caches[1])
+    assert caches[0].float().abs().max() > 16, "the scale must spread codes over the range"

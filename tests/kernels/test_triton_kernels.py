@@ -123,3 +123,51 @@ def test_reshape_and_cache(src, dst, block_size) -> None:
     else:  # the interpreter truncates float32 -> bfloat16 where the GPU rounds: one ulp apart
         torch.testing.assert_close(key_cache, want_k, rtol=2**-7, atol=0)
         torch.testing.assert_close(value_cache, want_v, rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "seqs", "num_splits"),
+    [
+        (torch.bfloat16, [(1, 1), (1, 32), (1, 150), (1, 77)], 3),
+        (torch.float32, [(1, 60), (12, 12), (0, 9), (7, 40), (1, 129)], None),
+    ],
+)
+def test_fp8_cache_reads_codes_times_layer_scales(batch_factory, dtype, seqs,
+                                                  num_splits) -> None:
+    """An FP8 cache holds codes; attention sees code × scale (decode and extend rows)."""
+    batch = batch_factory(seqs, num_kv_heads=2, group=4, head_dim=64, block_size=16,
+                          dtype=torch.float32, seed=11)
+    q, k, v, *rest = batch.args(dtype)
+    k_scale, v_scale = 0.013, 0.021  # codes up to ~350: the format's upper range is used
+    k8 = reference.to_cache(k, reference.FP8, k_scale)
+    v8 = reference.to_cache(v, reference.FP8, v_scale)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.paged_attention(q, k8, v8, *rest, out=out, num_splits=num_splits,
+                                     k_scale=k_scale, v_scale=v_scale)
+    want = reference.paged_attention(
+        q.double(), reference.from_cache(k8, torch.float64, k_scale),
+        reference.from_cache(v8, torch.float64, v_scale), *rest)
+    rows = torch.tensor([n > 0 for n in (batch.query_start_loc.diff().tolist())])
+    assert rows.any()
+    assert not torch.isnan(out).any()
+    err = ((out.double() - want).norm() / want.norm()).item()
+    assert err < BOUND[dtype], f"relative error {err:.2e}"
+
+
+def test_reshape_and_cache_fp8_divides_by_the_scale_and_saturates(
+        assert_fp8_codes_equal) -> None:
+    gen = torch.Generator().manual_seed(5)
+    shape = (4, 16, 2, 64)
+    caches = [torch.zeros(shape, dtype=reference.FP8) for _ in range(4)]
+    key = torch.randn(6, 2, 64, generator=gen)
+    key[0, 0, 0] = 1e4  # beyond 448 × scale: saturates, never NaN
+    value = torch.randn(6, 2, 64, generator=gen)
+    slots = torch.tensor([0, 17, -1, 63, 5, 40])
+    reference.reshape_and_cache(key, value, caches[0], caches[1], slots, 0.05, 0.01)
+    triton_cache.reshape_and_cache(key, value, caches[2], caches[3], slots, 0.05, 0.01)
+    assert_fp8_codes_equal(caches[2], caches[0])
+    assert_fp8_codes_equal(caches[3], caches[1])
+    assert caches[0].float()[0, 0, 0, 0] == reference.FP8_MAX
+    stored = reference.from_cache(caches[1].view(-1, 2, 64)[slots[slots >= 0]], torch.float32,
+                                  0.01)
+    torch.testing.assert_close(stored, value[slots >= 0], rtol=2**-3, atol=0.01 * 2**-9)
