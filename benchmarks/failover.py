@@ -120,7 +120,7 @@ async def run(cluster: Cluster, n_sessions: int, n_turns: int, max_tokens: int,
             f"{min(end_s, default=float('nan')):.3f}-{max(end_s, default=float('nan')):.3f} s "
             f"after the kill, with: " + ", ".join(f"{k} x{v}" for k, v in errors.items()))
         log(f"HAProxy marked {victim} DOWN {down_s:.2f} s after the kill "
-            "(check inter 1 s, fall 2)")
+            "(checks every 1 s, a second one 250 ms after a failure, fall 2)")
         log(f"acknowledged turns missing from Redis: {lost}; other sessions' turns answered "
             f"by their own replica: {stayed_ok}/{len(stayed)}")
 
