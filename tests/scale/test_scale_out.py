@@ -127,11 +127,32 @@ async def test_a_restarted_replica_rejoins_and_its_sessions_return(cluster):
     dead.launch()
     dead.wait_ready()
     cluster.wait_state(dead.id, "UP")
+    home = {s.id: httpx.get(f"{cluster.url}/v1/sessions/{s.id}").headers["x-chatgate-replica"]
+            for s in sessions}  # the session REST path routes like the session's turns
+    returned = [s for s in sessions if home[s.id] == dead.id]
+    assert returned, "no session hashes to the restarted replica"
+
+    # A browser resuming one of them there: the history comes from Redis, and the replica,
+    # which has pinned nothing, computes all of it.
+    s = returned[0]
+    async with websockets.connect(f"{cluster.ws_url}?session={s.id}") as ws:
+        assert ws.response.headers["X-Chatgate-Replica"] == dead.id
+        await ws.send(json.dumps({"type": "session.resume", "session_id": s.id}))
+        assert json.loads(await ws.recv())["messages"] == s.messages
+        await ws.send(json.dumps({"type": "message", "content": "Still there?",
+                                  "params": {"max_tokens": 4, "temperature": 0}}))
+        answer = ""
+        while (event := json.loads(await ws.recv()))["type"] == "delta":
+            answer += event["text"]
+        assert event["type"] == "done", event
+        assert event["usage"]["cached_tokens"] < before[sessions.index(s)].prompt_tokens
+    s.messages += [{"role": "user", "content": "Still there?"},
+                   {"role": "assistant", "content": answer}]
+
     after = await turns(cluster, sessions, "And now?", 4)
     assert all(r.acknowledged for r in after)
-    returned = [s for s in sessions if s.replicas[-1] == dead.id]
-    assert returned, "no session hashes to the restarted replica"
     for s in sessions:
+        assert s.replicas[-1] == home[s.id]
         if s not in returned:  # only the restarted replica's share of the ring moved
             assert s.replicas[-1] == s.replicas[0]
         assert stored_messages(cluster, s.id) == s.messages
