@@ -47,6 +47,18 @@ def test_vllm_flags_map_to_the_engine_config():
     assert cfg.block_size == 32 and cfg.enable_prefix_caching is False
 
 
+def test_replica_id_defaults_to_the_hostname():
+    import socket
+
+    assert parse().replica_id == socket.gethostname()
+    assert parse("--replica-id", "gpu-node-3.r1").replica_id == "gpu-node-3.r1"
+
+
+def test_a_replica_id_that_cannot_be_a_header_value_is_refused(capsys):
+    assert main(["serve", "--replica-id", "two words"]) == 2
+    assert "replica_id" in capsys.readouterr().err
+
+
 def test_redis_url_from_the_environment(monkeypatch):
     monkeypatch.setenv("REDIS_URL", "redis://example:6379/2")
     assert parse().redis_url == "redis://example:6379/2"
