@@ -42,6 +42,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
     e.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the device runs this one (default: on "
+                        "with CUDA, off on CPU)")
     e.add_argument("--admission-batch", type=int, default=None,
                    help="while requests run, admit waiting ones once this many slots are free "
                         "(default: max-num-seqs/16 with CUDA graphs, else 1)")
@@ -100,6 +103,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         admission_batch=args.admission_batch, quantization=args.quantization, seed=args.seed,
     )
     kw = dict(

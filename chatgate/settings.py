@@ -29,6 +29,7 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
     admission_batch: int | None = Field(default=None, ge=1)
     quantization: Literal["int8"] | None = None
     seed: int = 0

@@ -38,6 +38,12 @@ class EngineConfig:
     admission_batch: int | None = None
     # weight-only quantization of the linear layers (CPU): None (the model's dtype) or "int8"
     quantization: str | None = None
+    # Overlapped scheduling (vLLM's --async-scheduling): while the device runs a step, the host
+    # reads the previous one's tokens and schedules the next; a finished request computes one
+    # extra token, discarded. Steps that need host-side sampling (grammars, penalties,
+    # logprobs, the first token of n > 1) run synchronously. None: on with CUDA, off on CPU
+    # (where nothing runs while the host works, so it would only delay each output by a step).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:

@@ -1,4 +1,11 @@
-"""The synchronous engine core: requests in, one scheduled step at a time, outputs out.
+"""The engine core: requests in, one scheduled step at a time, outputs out.
+
+With overlapped scheduling (``EngineConfig.async_scheduling``) a step is launched before the
+previous one's tokens are read: each sampled sequence then ends in ``PLACEHOLDER`` until the
+next step resolves it (so the scheduler counts the token it will compute), the next step's
+input for it is taken on the device, and a sequence that the resolved token finishes has
+computed one token more, discarded. Between steps at most one step is in flight, and a
+placeholder is only ever a sequence's last token, never in a hashed block or a pin.
 
 Not thread-safe: exactly one thread drives it (the caller of ``LLM``, or the loop of the engine
 process, ``engine.core``).
@@ -7,6 +14,7 @@ process, ``engine.core``).
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.chat import render_chat
@@ -18,14 +26,16 @@ from engine.loader import LoadedModel, load_model
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampler import draw_key, sample
+from engine.sampler import draw, draw_key, sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
 from engine.structured import GrammarCompiler
 
 logger = logging.getLogger("engine")
+
+PLACEHOLDER = -1  # a sampled token the host has not read yet (token ids are never negative)
 
 
 @dataclass
@@ -51,6 +61,18 @@ class _Request:
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+
+@dataclass
+class _InflightStep:
+    """A launched step whose tokens are on their way to the host: ``host[i]``, once ``ready``
+    has completed (None: already there), is the token of ``seqs[i]``, whose last token is
+    ``PLACEHOLDER`` until then; ``rows[seq_id]`` is that row."""
+
+    seqs: list[Sequence]
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+    rows: dict[int, int]
 
 
 class LLMEngine:
@@ -99,6 +121,9 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
+        self._inflight: _InflightStep | None = None
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -164,6 +189,8 @@ class LLMEngine:
             return None
         for seq in request.seqs:
             if not seq.is_finished:
+                if seq.token_ids[-1] == PLACEHOLDER:  # in flight: never reported
+                    seq.token_ids.pop()
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
         if request.final_only:
@@ -179,29 +206,114 @@ class LLMEngine:
         return self.kv.take_pin_changes()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # -- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and return an output for every request that
-        produced tokens (unless it is ``final_only``) or finished this step."""
+        produced tokens (unless it is ``final_only``) or finished; with overlapped scheduling,
+        the outputs are those of the step before (see the module docstring)."""
         batch = self.scheduler.schedule()
+        sampled = self._sampled_seqs(batch)
+        overlap = (self.async_scheduling and bool(batch.seqs)
+                   and all(self._overlappable(seq) for seq in sampled))
+        outputs: list[RequestOutput] = []
+        if not overlap and self._inflight is not None:
+            outputs = self._resolve_inflight()
+            batch = self._without_finished(batch)
         if not batch.seqs:
+            return outputs + self._resolve_inflight()
+        sample_indices = self._sample_indices(batch)
+        logits = self.runner.execute(batch, sample_indices, self._feed(batch))
+        if overlap:
+            keys = [self._key(seq) for seq in sampled]
+            tokens = draw(logits, [seq.params for seq in sampled], keys)
+            host, ready = self.runner.keep_sampled(tokens)
+            outputs = self._resolve_inflight()  # the previous step's, while this one runs
+            self._commit(batch)
+            live = [i for i, seq in enumerate(sampled) if not seq.is_finished]
+            for i in live:
+                sampled[i].token_ids.append(PLACEHOLDER)
+            if live:
+                self._inflight = _InflightStep(sampled, host, ready,
+                                               {sampled[i].seq_id: i for i in live})
+            return outputs
+        self._commit(batch)
+        return outputs + self._sample_now(batch, sample_indices, logits)
+
+    @staticmethod
+    def _sample_indices(batch: ScheduledBatch) -> list[int]:
+        """Rows whose step ends at their last token: those sample one."""
+        return [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens,
+                                                   strict=True))
+                if seq.num_computed_tokens + n == seq.num_tokens]
+
+    def _sampled_seqs(self, batch: ScheduledBatch) -> list[Sequence]:
+        return [batch.seqs[i] for i in self._sample_indices(batch)]
+
+    def _overlappable(self, seq: Sequence) -> bool:
+        """Whether the device alone can sample ``seq``'s next token (no grammar, penalties,
+        logprobs or pending forks, which need the host)."""
+        params = seq.params
+        return (seq.matcher is None and params.logprobs is None and not params.shapes_logits
+                and not self.requests[seq.request_id].pending_forks)
+
+    @staticmethod
+    def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
+        """``batch`` less the sequences a resolved token finished after it was scheduled
+        (their blocks are already freed or pinned)."""
+        keep = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
+        return ScheduledBatch([batch.seqs[i] for i in keep],
+                              [batch.num_new_tokens[i] for i in keep], batch.copies)
+
+    def _key(self, seq: Sequence) -> int | None:
+        return (draw_key(seq.seed, seq.num_tokens - seq.num_prompt_tokens)
+                if seq.seed is not None else None)
+
+    def _feed(self, batch: ScheduledBatch) -> np.ndarray | None:
+        """For ``runner.execute``: the in-flight row of each sequence whose input token is
+        still on the device, else -1; None when no step is in flight."""
+        inflight = self._inflight
+        if inflight is None:
+            return None
+        return np.fromiter((inflight.rows.get(seq.seq_id, -1) for seq in batch.seqs),
+                           dtype=np.int64, count=len(batch.seqs))
+
+    def _resolve_inflight(self) -> list[RequestOutput]:
+        """Read the in-flight step's tokens into their sequences (stop checks, text) and
+        return the outputs they make."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
             return []
-        sample_indices = [
-            i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
-            if seq.num_computed_tokens + n == seq.num_tokens
-        ]
-        logits = self.runner.execute(batch, sample_indices)
+        if inflight.ready is not None:
+            inflight.ready.synchronize()
+        tokens = inflight.host.tolist()
+        touched: dict[str, _Request] = {}
+        for seq, row in ((inflight.seqs[i], i) for i in inflight.rows.values()):
+            request = self.requests.get(seq.request_id)
+            if request is None or seq.is_finished:  # aborted while in flight
+                continue
+            seq.token_ids.pop()
+            touched[request.request_id] = request
+            self._append_token(request, seq, tokens[row], None)
+        return self._outputs(touched)
+
+    def _commit(self, batch: ScheduledBatch) -> None:
+        """Record the KV the step computed, for the sequences still running."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            decoding = n == 1 and seq.num_output_tokens > 0
-            if decoding:
+            if seq.is_finished:
+                continue
+            if n == 1 and seq.num_output_tokens > 0:
                 self.num_decode_tokens += 1
             else:
                 self.num_prefill_tokens += n
             self.kv.commit(seq, n)
 
+    def _sample_now(self, batch: ScheduledBatch, sample_indices: list[int],
+                    logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample on the host's watch (grammars, penalties, logprobs, forks) and apply the
+        tokens at once."""
         rows: list[int] = []
         sampled: list[Sequence] = []
         for row, index in enumerate(sample_indices):
@@ -218,8 +330,7 @@ class LLMEngine:
                 request.pending_forks = []
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        keys = [draw_key(s.seed, s.num_tokens - s.num_prompt_tokens) if s.seed is not None
-                else None for s in sampled]
+        keys = [self._key(s) for s in sampled]
         histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids)
                      if s.params.shapes_logits else ((), ()) for s in sampled]
         matchers = [s.matcher for s in sampled]
@@ -233,7 +344,9 @@ class LLMEngine:
             request = self.requests[seq.request_id]
             touched[request.request_id] = request
             self._append_token(request, seq, token_id, logprob)
+        return self._outputs(touched)
 
+    def _outputs(self, touched: dict[str, _Request]) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
             finished = request.finished

@@ -72,6 +72,12 @@ class ModelRunner:
                     self.cache_dtype)
         if fp8:
             model.kv_scales = self._calibrate_kv_scales()
+        # the last overlapped step's sampled tokens, which the next step reads as inputs
+        # (``execute``'s ``feed``), and double-buffered host copies of them
+        self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
+        self._sampled_host = torch.zeros(2, config.max_num_seqs, dtype=torch.long,
+                                         pin_memory=self.device.type == "cuda")
+        self._sampled_turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_sizes: list[int] = []
         self.num_graph_steps = 0
@@ -216,11 +222,14 @@ class ModelRunner:
     # -- execution ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, sample_indices: list[int]) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, sample_indices: list[int],
+                feed: np.ndarray | None = None) -> torch.Tensor:
         """Run one step; returns the logits (model dtype) of the sequences at ``sample_indices``.
 
-        On the CUDA-graph path the result is a view of the graph's static output: read it
-        (the sampler does) before the next ``execute``."""
+        ``feed[i] >= 0``: sequence ``i`` is decoding a token the host has not read yet, row
+        ``feed[i]`` of :meth:`keep_sampled`'s last tokens, taken on the device. On the
+        CUDA-graph path the result is a view of the graph's static output: read it (the sampler
+        does) before the next ``execute``."""
         if batch.copies:
             src = torch.tensor([s for s, _ in batch.copies], device=self.device)
             dst = torch.tensor([d for _, d in batch.copies], device=self.device)
@@ -232,7 +241,7 @@ class ModelRunner:
                   if self.graphs and host["max_query_len"] == 1
                   and host["block_tables"].shape[1] <= self.max_blocks_per_seq else None)
         if padded is not None:
-            logits = self._replay(host, n, padded)[:n]
+            logits = self._replay(host, n, padded, feed)[:n]
             self.num_graph_steps += 1
             if sample_indices != list(range(n)):
                 logits = logits[self._to_device(np.asarray(sample_indices, dtype=np.int64))]
@@ -251,10 +260,32 @@ class ModelRunner:
             plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc,
                                         self.block_size),
         )
-        hidden = self.model.forward(self._to_device(host["input_ids"]),
-                                    self._to_device(host["positions"]), meta, self.kv_cache)
+        input_ids = self._to_device(host["input_ids"])
+        if feed is not None:
+            rows = np.flatnonzero(feed >= 0)
+            dst = host["query_start_loc"][rows].astype(np.int64)
+            input_ids[self._to_device(dst)] = self.sampled[self._to_device(feed[rows])]
+        hidden = self.model.forward(input_ids, self._to_device(host["positions"]), meta,
+                                    self.kv_cache)
         last = host["query_start_loc"][1:].astype(np.int64)[sample_indices] - 1
         return self.model.compute_logits(hidden[self._to_device(last)])
+
+    def keep_sampled(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Keep a step's sampled ``tokens`` on the device for the next step's ``feed`` and
+        start their copy to the host. Returns the host tensor and the event after which it
+        holds them (None on CPU, where it already does); it stays valid until the call after
+        next (two host buffers take turns)."""
+        n = tokens.shape[0]
+        self.sampled[:n].copy_(tokens)
+        host = self._sampled_host[self._sampled_turn, :n]
+        self._sampled_turn ^= 1
+        if self.device.type == "cpu":
+            host.copy_(tokens)
+            return host, None
+        host.copy_(self.sampled[:n], non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
@@ -278,8 +309,8 @@ class ModelRunner:
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         }
         self._attn_out = torch.zeros(max_bs, m.num_heads, m.head_dim, dtype=m.dtype, device=dev)
-        # Pinned host mirrors of the small buffers, copied in one go per step; the event
-        # guards their reuse (already complete in practice: the sampler syncs every step).
+        # Pinned host mirrors of the small buffers, copied in one go per step; the event guards
+        # their reuse (complete by the next step: the copies run before the step's forward).
         self._pinned = torch.zeros(5, max_bs + 1, dtype=torch.long).pin_memory()
         self._pinned_np = self._pinned.numpy()
         self._pinned_tables = torch.zeros(max_bs * self.max_blocks_per_seq,
@@ -326,25 +357,32 @@ class ModelRunner:
                                     self.kv_cache)
         return self.model.compute_logits(hidden)
 
-    def _replay(self, host: dict[str, np.ndarray], n: int, padded: int) -> torch.Tensor:
+    def _replay(self, host: dict[str, np.ndarray], n: int, padded: int,
+                feed: np.ndarray | None) -> torch.Tensor:
         self._copied.synchronize()
         p = self._pinned_np
         p[0, :n] = host["input_ids"]
         p[1, :n] = host["positions"]
         p[2, :n] = host["slot_mapping"]
         p[3, :n] = host["seq_lens"]
+        p[4, :n] = -1 if feed is None else feed
         p[0:2, n:padded] = 0
         p[2, n:padded] = -1
         p[3, n:padded] = 0
+        p[4, n:padded] = -1
         width = host["block_tables"].shape[1]
         size = n * width
         self._pinned_tables_np[:size] = host["block_tables"].reshape(-1)
         g = self._g
-        self._packed[:4, :padded].copy_(self._pinned[:4, :padded], non_blocking=True)
+        self._packed[:, :padded].copy_(self._pinned[:, :padded], non_blocking=True)
         self._packed_tables[:size].copy_(self._pinned_tables[:size], non_blocking=True)
         self._copied.record()
         g["block_tables"][:n, :width].copy_(self._packed_tables[:size].view(n, width))
         g["input_ids"][:padded].copy_(self._packed[0, :padded])
+        if feed is not None:
+            src = self._packed[4, :padded]
+            ids = g["input_ids"][:padded]
+            ids.copy_(torch.where(src >= 0, self.sampled[src.clamp(min=0)], ids))
         g["positions"][:padded].copy_(self._packed[1, :padded])
         g["slot_mapping"][:padded].copy_(self._packed[2, :padded])
         g["seq_lens"][:padded].copy_(self._packed[3, :padded])

@@ -12,7 +12,8 @@ Invariants of :func:`sample`:
 - penalties, ``logit_bias`` and ``min_tokens`` (:func:`shape_logits`) change the logits every
   row (greedy too) chooses from; a row without them is untouched;
 - logprobs are those of the raw logits (no penalty, temperature or filtering), as vLLM reports;
-- on an accelerator the host waits once, for the final ``.tolist()``.
+- on an accelerator the host waits once, for the final ``.tolist()``; :func:`draw` alone never
+  waits (its tokens stay on the device).
 """
 
 from collections.abc import Callable, Collection, Sequence
@@ -67,13 +68,22 @@ def sample(
         if logits is raw:
             logits = _float_copy(raw)
         constrain(logits)
+    return _with_logprobs(raw, draw(logits, params, keys), params)
+
+
+def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
+         keys: Sequence[int | None]) -> torch.Tensor:
+    """The token of each row of ``logits`` as a tensor on their device, without waiting for
+    it: the argmax for greedy rows, else temperature, top-k/top-p/min-p and the exponential
+    race with the row's noise key (see :func:`sample`, which shapes the logits first)."""
+    num_rows = logits.shape[0]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(rows) < num_rows:
         tokens = logits.argmax(dim=-1)
     else:
         tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
     if rows:
-        index = torch.tensor(rows, device=logits.device)
+        index = _to(rows, torch.long, logits.device)
         chosen = [params[i] for i in rows]
         x = logits if len(rows) == num_rows else logits.index_select(0, index)
         temperature = _column([p.temperature for p in chosen], x.device)
@@ -87,7 +97,16 @@ def sample(
         if threshold is not None:
             probs.masked_fill_(probs < threshold, 0.0)
         tokens.index_copy_(0, index, _exponential_race(probs, [keys[i] for i in rows]))
-    return _with_logprobs(raw, tokens, params)
+    return tokens
+
+
+def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied from pinned memory on an accelerator so
+    the host does not wait for the work already queued there."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def shape_logits(
@@ -154,7 +173,7 @@ def _token_counts(token_lists: list[list[int]], vocab: int,
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     """``values`` as a float32 ``[len(values), 1]`` tensor, to broadcast along the vocab."""
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    return _to(values, torch.float32, device)[:, None]
 
 
 def _top_k_top_p_threshold(
@@ -172,9 +191,9 @@ def _top_k_top_p_threshold(
     if not rows:
         return None
     ks = [top_k[i] if 0 < top_k[i] < vocab else vocab for i in rows]
-    index = torch.tensor(rows, device=probs.device)
+    index = _to(rows, torch.long, probs.device)
     sub = probs if len(rows) == num_rows else probs.index_select(0, index)
-    k = torch.tensor(ks, device=probs.device)[:, None]
+    k = _to(ks, torch.long, probs.device)[:, None]
     p = _column([top_p[i] for i in rows], probs.device)
     # A row with top-p but no top-k needs its nucleus, which may reach deep into the vocabulary:
     # a full sort is cheap on an accelerator but slow on CPU, where a top-1024 is tried first.
@@ -215,7 +234,7 @@ def _exponential_race(probs: torch.Tensor, keys: list[int | None]) -> torch.Tens
         for row, key in zip(unseeded, torch.randint(0, 1 << 32, (len(unseeded),)).tolist(),
                             strict=True):
             filled[row] = key
-    keys_tensor = torch.tensor(filled, dtype=torch.int64).to(probs.device, non_blocking=True)
+    keys_tensor = _to(filled, torch.int64, probs.device)
     return (probs / exponential_noise(keys_tensor, probs.shape[1])).argmax(dim=-1)
 
 

@@ -1,7 +1,8 @@
 """Property tests: the block pool, KV cache manager, session pins and scheduler keep their
 invariants under any interleaving of allocate, append, prefix hit, fork, free, pin, unpin,
 evict and preempt (driven through the real scheduler, with the model replaced by random
-tokens)."""
+tokens), with steps synchronous or overlapped as ``LLMEngine`` overlaps them (a sampled token
+is a placeholder until the next step resolves it, after that step was scheduled)."""
 
 from collections import Counter
 
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.kv_cache_manager import KVCacheManager
+from engine.llm_engine import PLACEHOLDER
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -24,13 +26,16 @@ STEM = [1, 2, 3, 4, 5, 6, 7, 8]
 
 class BlockMachine(RuleBasedStateMachine):
     @initialize(budget_tokens=st.sampled_from([4, 7, 64]), pin_budget=st.sampled_from([6, 24]),
-                admission_batch=st.sampled_from([1, 3]))
-    def setup(self, budget_tokens: int, pin_budget: int, admission_batch: int) -> None:
+                admission_batch=st.sampled_from([1, 3]), overlap=st.booleans())
+    def setup(self, budget_tokens: int, pin_budget: int, admission_batch: int,
+              overlap: bool) -> None:
         self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, True, pin_budget)
         self.scheduler = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=budget_tokens,
                                    admission_batch=admission_batch)
         self.live: list[Sequence] = []
         self.counter = 0
+        self.overlap = overlap
+        self.inflight: list[Sequence] = []  # sequences whose last token is a placeholder
 
     # -- rules -------------------------------------------------------------------------------
 
@@ -60,20 +65,29 @@ class BlockMachine(RuleBasedStateMachine):
 
     @rule(token=st.integers(0, 3))
     def step(self, token: int) -> None:
+        assert all(seq.token_ids[-1] != PLACEHOLDER for seq in self.scheduler.waiting)
         batch = self.scheduler.schedule()
+        if self.overlap:  # the previous step's tokens arrive after this one was scheduled
+            for seq in self.inflight:
+                if not seq.is_finished:
+                    seq.token_ids[-1] = token
+            self.inflight = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             assert seq.status is SequenceStatus.RUNNING
             self.kv.commit(seq, n)
             if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(token)
+                seq.token_ids.append(PLACEHOLDER if self.overlap else token)
+                if self.overlap:
+                    self.inflight.append(seq)
 
     @precondition(lambda self: any(s.status is SequenceStatus.RUNNING and
                                    s.num_computed_tokens == s.num_tokens - 1
-                                   for s in self.live))
+                                   and s.token_ids[-1] != PLACEHOLDER for s in self.live))
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         parents = [s for s in self.live if s.status is SequenceStatus.RUNNING
-                   and s.num_computed_tokens == s.num_tokens - 1]
+                   and s.num_computed_tokens == s.num_tokens - 1
+                   and s.token_ids[-1] != PLACEHOLDER]  # the engine forks in synchronous steps
         parent = data.draw(st.sampled_from(parents))
         self.counter += 1
         child = Sequence(str(self.counter), 1, parent.token_ids, parent.params, None,
@@ -87,6 +101,11 @@ class BlockMachine(RuleBasedStateMachine):
     def finish(self, data: st.DataObject) -> None:
         """Finish or abort: pins the session's blocks when it has one, else frees them."""
         seq = data.draw(st.sampled_from(self.live))
+        self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq.token_ids[-1] == PLACEHOLDER:  # aborted in flight, as LLMEngine.abort does
+            seq.token_ids.pop()
         self.scheduler.finish(seq)
         self.live.remove(seq)
 
@@ -98,7 +117,9 @@ class BlockMachine(RuleBasedStateMachine):
     def evict_lru_pin(self) -> None:
         self.kv.release_lru_pin()
 
-    @precondition(lambda self: bool(self.scheduler.running))
+    # (the engine preempts only while scheduling, and resolves placeholders right after)
+    @precondition(lambda self: bool(self.scheduler.running)
+                  and self.scheduler.running[-1].token_ids[-1] != PLACEHOLDER)
     @rule()
     def preempt(self) -> None:
         self.scheduler._preempt(self.scheduler.running.pop())
@@ -150,6 +171,15 @@ class BlockMachine(RuleBasedStateMachine):
             assert len(set(seq.block_table)) == len(seq.block_table)
 
     @invariant()
+    def placeholders_are_last_and_never_hashed_or_pinned(self) -> None:
+        for seq in self.live:
+            assert PLACEHOLDER not in seq.token_ids[:-1]
+            assert PLACEHOLDER not in seq.token_ids[:len(seq.block_hashes) * BLOCK_SIZE]
+            assert PLACEHOLDER not in seq.token_ids[:seq.num_computed_tokens]
+        for pinned in self.kv.pinned_sessions():
+            assert PLACEHOLDER not in pinned.token_ids
+
+    @invariant()
     def pin_budget_holds(self) -> None:
         assert self.kv.num_pinned_blocks <= self.kv.pin_budget_blocks
 
@@ -157,7 +187,7 @@ class BlockMachine(RuleBasedStateMachine):
         if not hasattr(self, "kv"):
             return
         for seq in list(self.live):
-            self.scheduler.finish(seq)
+            self._finish(seq)
         for session in SESSIONS:
             self.kv.release_pin(session)
         assert self.kv.pool.num_free == NUM_BLOCKS

@@ -1,6 +1,6 @@
 """The engine's greedy tokens equal transformers' greedy tokens, with steps that
-mix prefill and decode, for several block sizes, chunked prefill and a pool small enough to
-force preemption."""
+mix prefill and decode, for several block sizes, chunked prefill, overlapped scheduling and a
+pool small enough to force preemption (with steps synchronous and overlapped)."""
 
 import pytest
 
@@ -20,7 +20,8 @@ def _assert_equal(outputs, hf_greedy) -> None:
     {"block_size": 8},
     {"block_size": 32},
     {"max_num_batched_tokens": 64},
-], ids=["block16", "block8", "block32", "chunked-prefill-64"])
+    {"async_scheduling": True, "max_num_batched_tokens": 256},
+], ids=["block16", "block8", "block32", "chunked-prefill-64", "overlapped"])
 def test_greedy_matches_transformers(config, prompt_ids, hf_greedy) -> None:
     llm = LLM("smollm2", **config)
     outputs = llm.generate(prompt_ids, GREEDY)
@@ -31,10 +32,13 @@ def test_greedy_matches_transformers(config, prompt_ids, hf_greedy) -> None:
         assert max(len(p) for p in prompt_ids) > 64  # so some prefill really was chunked
 
 
-def test_greedy_matches_transformers_under_preemption(prompt_ids, hf_greedy) -> None:
+@pytest.mark.parametrize("overlapped", [False, True], ids=["synchronous", "overlapped"])
+def test_greedy_matches_transformers_under_preemption(prompt_ids, hf_greedy,
+                                                      overlapped: bool) -> None:
     longest = max(len(p) for p in prompt_ids) + MAX_NEW_TOKENS
     num_blocks = -(-longest // 16) + 8  # the longest request fits, all 16 together do not
-    llm = LLM("smollm2", num_kv_blocks=num_blocks, enable_prefix_caching=False)
+    llm = LLM("smollm2", num_kv_blocks=num_blocks, enable_prefix_caching=False,
+              async_scheduling=overlapped)
     outputs = llm.generate(prompt_ids, GREEDY)
     _assert_equal(outputs, hf_greedy)
     stats = llm.stats()

@@ -1,0 +1,114 @@
+"""Overlapped scheduling (``async_scheduling``) on the CPU path: outputs arrive one step later
+but are those of synchronous steps (lengths, stops, seeds, sessions, logprobs, grammars, which
+fall back to synchronous steps); an abort while a token is in flight reports nothing of it and
+frees every block."""
+
+import json
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.llm_engine import PLACEHOLDER
+from engine.structured import StructuredOutput
+
+CHATS = ["Write a haiku about the sea.", "What is the capital of France?",
+         "List three uses of copper.", "Tell me a story about a robot."]
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[bool, LLM]:
+    return {mode: LLM("smollm2", max_model_len=1024, num_kv_blocks=256, async_scheduling=mode)
+            for mode in (False, True)}
+
+
+def _prompts(llm: LLM) -> list[list[int]]:
+    return [llm.engine.render_chat([{"role": "user", "content": c}]) for c in CHATS]
+
+
+def _run(llm: LLM, params: list[SamplingParams]) -> list[tuple]:
+    outs = llm.generate(_prompts(llm), params)
+    assert llm.engine.kv.pool.num_used == 0
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+             [lp.logprob for lp in c.logprobs] if c.logprobs is not None else None)
+            for o in outs for c in o.outputs]
+
+
+def test_overlapped_outputs_equal_synchronous_for_lengths_stops_and_seeds(engines) -> None:
+    params = [SamplingParams(temperature=0, max_tokens=1),
+              SamplingParams(temperature=0, max_tokens=200),  # runs to its end of turn
+              SamplingParams(temperature=0, max_tokens=40, stop=["."]),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=30)]
+    sync, overlapped = _run(engines[False], params), _run(engines[True], params)
+    assert overlapped == sync
+    assert [r[2] for r in sync] == ["length", "stop", "stop", "length"]
+
+
+def test_host_side_sampling_falls_back_to_synchronous_steps(engines) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"]}
+    params = [SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=30,
+                             structured=StructuredOutput(json_schema=json.dumps(schema))),
+              SamplingParams(temperature=0, max_tokens=12, frequency_penalty=1.5),
+              SamplingParams(temperature=0.7, seed=1, max_tokens=12, n=2)]
+    sync, overlapped = _run(engines[False], params), _run(engines[True], params)
+    assert overlapped == sync
+    assert len(sync[0][4]) == 12  # logprobs of every token
+
+
+def test_an_overlapped_step_reports_the_step_before() -> None:
+    llm = LLM("smollm2", max_model_len=512, num_kv_blocks=64, async_scheduling=True)
+    engine = llm.engine
+    engine.add_request("r", _prompts(llm)[1], SamplingParams(temperature=0, max_tokens=3))
+    assert engine.step() == []  # the prompt ran; its first token is still in flight
+    assert engine.requests["r"].seqs[0].token_ids[-1] == PLACEHOLDER
+    counts = [len(out.outputs[0].token_ids) for _ in range(4) for out in engine.step()]
+    assert counts == [1, 1, 1]
+    assert not engine.has_unfinished() and engine.kv.pool.num_used == 0
+
+
+def test_abort_while_a_token_is_in_flight_reports_no_placeholder_and_frees_blocks() -> None:
+    llm = LLM("smollm2", max_model_len=512, num_kv_blocks=64, async_scheduling=True)
+    engine = llm.engine
+    prompts = _prompts(llm)
+    engine.add_request("gone", prompts[0], SamplingParams(temperature=0, max_tokens=50))
+    engine.add_request("stays", prompts[1], SamplingParams(temperature=0, max_tokens=8,
+                                                           ignore_eos=True))
+    tokens: dict[str, list[int]] = {"gone": [], "stays": []}
+    for _ in range(3):
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+    assert engine.requests["gone"].seqs[0].token_ids[-1] == PLACEHOLDER
+    last = engine.abort("gone")
+    assert last is not None and last.finished
+    tokens["gone"] += last.outputs[0].token_ids
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == "stays"
+            tokens["stays"] += out.outputs[0].token_ids
+    assert len(tokens["gone"]) == 2 and len(tokens["stays"]) == 8
+    assert PLACEHOLDER not in tokens["gone"] + tokens["stays"]
+    assert engine.kv.pool.num_used == 0
+
+
+def test_session_pins_and_reuse_are_those_of_synchronous_steps(engines) -> None:
+    pins = {}
+    for mode, llm in engines.items():
+        engine = llm.engine
+        chat = [{"role": "user", "content": "Name a fruit."}]
+        first = engine.render_chat(chat, session_id=f"s-{mode}")
+        out = llm.generate([first], SamplingParams(temperature=0, max_tokens=10),
+                           session_id=f"s-{mode}")[0]
+        pinned = engine.kv.pinned(f"s-{mode}")
+        assert pinned is not None and PLACEHOLDER not in pinned.token_ids
+        chat += [{"role": "assistant", "content": out.outputs[0].text},
+                 {"role": "user", "content": "And a vegetable?"}]
+        second = engine.render_chat(chat, session_id=f"s-{mode}")
+        computed = engine.num_prefill_tokens
+        out2 = llm.generate([second], SamplingParams(temperature=0, max_tokens=10),
+                            session_id=f"s-{mode}")[0]
+        new_tokens = engine.num_prefill_tokens - computed
+        assert out2.num_cached_tokens == len(second) - new_tokens
+        pins[mode] = (pinned.token_ids, out2.outputs[0].token_ids, new_tokens)
+        llm.release_session(f"s-{mode}")
+    assert pins[True] == pins[False]
