@@ -80,6 +80,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--send-timeout", type=float, default=30.0,
                    help="seconds a client may leave a response chunk unread before the "
                         "connection is dropped and its request aborted")
+    g.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="sampling defaults for what a request leaves unset: auto (the model's "
+                        "recommended ones, else vllm's) or vllm (temperature 1, top_p 1, no "
+                        "top_k)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -112,7 +116,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         session_ttl=args.session_ttl, session_idle_unpin=args.session_idle_unpin,
         allowed_origins=args.allowed_origins, max_request_bytes=args.max_request_bytes,
         ws_max_message_bytes=args.ws_max_message_bytes, body_timeout=args.body_timeout,
-        send_timeout=args.send_timeout, log_level=args.log_level,
+        send_timeout=args.send_timeout, generation_config=args.generation_config,
+        log_level=args.log_level,
     )
     if args.server_secret:
         kw["server_secret"] = args.server_secret

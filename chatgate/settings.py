@@ -68,6 +68,7 @@ class Settings(BaseModel):
     body_timeout: float = Field(default=30.0, gt=0)
     send_timeout: float = Field(default=30.0, gt=0)
     max_stop_sequences: int = Field(default=4, ge=0)
+    generation_config: Literal["auto", "vllm"] = "auto"
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("allowed_origins", mode="before")
