@@ -20,6 +20,7 @@ its ``k_scale`` folds into the softmax scale and ``v_scale`` into the output.
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -293,78 +294,114 @@ def paged_attention(
     have ``query``'s shape and dtype; ``num_splits`` overrides the decode split heuristic.
     Every tensor needs a contiguous last dimension; ``key_cache``/``value_cache`` share strides.
     """
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    num_seqs = seq_lens.shape[0]
+    num_tokens = query.shape[0]
     if out is None:
         out = torch.empty_like(query)
-    if num_tokens == 0 or num_seqs == 0:
+    if num_tokens == 0 or seq_lens.shape[0] == 0:
         return out
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError("num_heads must be a multiple of num_kv_heads")
-    if any(t.stride(-1) != 1 for t in (query, key_cache, value_cache, out)):
-        raise ValueError("query, caches and out need a contiguous last dimension")
-    if key_cache.stride() != value_cache.stride():
-        raise ValueError("key_cache and value_cache must share strides")
-    group = num_heads // num_kv_heads
-    fp8 = key_cache.dtype == torch.float8_e4m3fn
-    bits = "32" if query.dtype == torch.float32 else "8" if fp8 else "16"
-    precision = "ieee" if bits == "32" else "tf32"
-    # FP8 codes convert to fp16 in one instruction (to bf16 through fp32): 16-bit queries and
-    # probabilities meet them in fp16, which holds every code exactly
-    dot_fp16 = fp8 and bits == "8"
-    upcast = (query.dtype == torch.bfloat16 and not dot_fp16
-              and os.environ.get("TRITON_INTERPRET") == "1")
-    if not fp8:
-        k_scale = v_scale = 1.0
-    qk_scale = scale * _LOG2E * k_scale
-    cache_strides = (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))
-    table_strides = (block_tables.stride(0), block_tables.stride(1))
-    q_strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1))
+    call = _Call.of(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+                    scale, k_scale, v_scale)
+    _decode(call, num_splits or num_decode_splits(call.num_seqs, call.num_kv_heads,
+                                                  max_seq_len, query.device), max_seq_len)
+    if max_query_len > 1:
+        _extend(call, max_query_len)
+    return out
 
-    splits = num_splits or num_decode_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
-    cfg = DECODE_CONFIG[bits]
-    block_n = max(cfg["BLOCK_N"], block_size)
+
+@dataclass(frozen=True)
+class _Call:
+    """What both kernels of one ``paged_attention`` call are launched with."""
+
+    tensors: tuple[torch.Tensor, ...]  # query, caches, block tables, seq lens, query starts
+    out: torch.Tensor
+    qk_scale: float  # softmax scale in base 2, the FP8 key scale folded in
+    v_scale: float
+    strides: tuple[int, ...]  # query/out, cache, block-table strides
+    num_seqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    bits: str  # the launch-configuration key
+    constexprs: dict[str, object]  # GROUP, HEAD_DIM, BLOCK_SIZE, PRECISION, UPCAST, DOT_FP16
+
+    @staticmethod
+    def of(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+           block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+           out: torch.Tensor, scale: float, k_scale: float, v_scale: float) -> "_Call":
+        _, num_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+        if num_heads % num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if any(t.stride(-1) != 1 for t in (query, key_cache, value_cache, out)):
+            raise ValueError("query, caches and out need a contiguous last dimension")
+        if key_cache.stride() != value_cache.stride():
+            raise ValueError("key_cache and value_cache must share strides")
+        fp8 = key_cache.dtype == torch.float8_e4m3fn
+        bits = "32" if query.dtype == torch.float32 else "8" if fp8 else "16"
+        # FP8 codes convert to fp16 in one instruction (to bf16 through fp32): 16-bit queries
+        # and probabilities meet them in fp16, which holds every code exactly
+        dot_fp16 = fp8 and bits == "8"
+        if not fp8:
+            k_scale = v_scale = 1.0
+        return _Call(
+            tensors=(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc),
+            out=out, qk_scale=scale * _LOG2E * k_scale, v_scale=v_scale,
+            strides=(query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                     key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                     block_tables.stride(0), block_tables.stride(1)),
+            num_seqs=seq_lens.shape[0], num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, block_size=block_size, bits=bits,
+            constexprs={
+                "GROUP": num_heads // num_kv_heads, "HEAD_DIM": head_dim,
+                "BLOCK_SIZE": block_size, "PRECISION": "ieee" if bits == "32" else "tf32",
+                "UPCAST": (query.dtype == torch.bfloat16 and not dot_fp16
+                           and os.environ.get("TRITON_INTERPRET") == "1"),
+                "DOT_FP16": dot_fp16,
+            },
+        )
+
+
+def _decode(call: _Call, splits: int, max_seq_len: int) -> None:
+    """The decode rows: split-K over ``splits`` token ranges, merged when there are several."""
+    cfg = DECODE_CONFIG[call.bits]
+    block_n = max(cfg["BLOCK_N"], call.block_size)
     # A split of at most one key tile has nothing to pipeline: without stage buffers more
     # programs fit on a multiprocessor (short contexts split many ways).
     stages = 1 if -(-max_seq_len // splits) <= block_n else cfg["num_stages"]
+    out = call.out
     if splits == 1:
         mid_o = mid_lse = out  # unused
         mid_strides = (0, 0, 0)
     else:
-        mid_o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32,
-                            device=query.device)
-        mid_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32,
-                              device=query.device)
-        mid_strides = (num_heads * splits, splits, 1)  # in rows of head_dim / lse entries
-    _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        out, mid_o, mid_lse, qk_scale, v_scale, splits,
-        *q_strides, *cache_strides, *table_strides, *mid_strides,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        DIRECT=splits == 1, PRECISION=precision, UPCAST=upcast, DOT_FP16=dot_fp16,
-        num_warps=cfg["num_warps"], num_stages=stages,
+        mid_o = torch.empty(call.num_seqs, call.num_heads, splits, call.head_dim,
+                            dtype=torch.float32, device=out.device)
+        mid_lse = torch.empty(call.num_seqs, call.num_heads, splits, dtype=torch.float32,
+                              device=out.device)
+        mid_strides = (call.num_heads * splits, splits, 1)  # in rows of head_dim / lse entries
+    group = call.constexprs["GROUP"]
+    _decode_kernel[(call.num_seqs, call.num_kv_heads, splits)](
+        *call.tensors, out, mid_o, mid_lse, call.qk_scale, call.v_scale, splits,
+        *call.strides, *mid_strides,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        DIRECT=splits == 1, num_warps=cfg["num_warps"], num_stages=stages, **call.constexprs,
     )
     if splits > 1:
-        _reduce_kernel[(num_seqs, num_heads)](
-            out, mid_o, mid_lse, query_start_loc, splits,
-            out.stride(0), out.stride(1), *mid_strides,
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits),
+        _reduce_kernel[(call.num_seqs, call.num_heads)](
+            out, mid_o, mid_lse, call.tensors[5], splits, out.stride(0), out.stride(1),
+            *mid_strides, HEAD_DIM=call.head_dim, SPLITS_PAD=triton.next_power_of_2(splits),
             num_warps=REDUCE_WARPS,
         )
 
-    if max_query_len > 1:
-        cfg = EXTEND_CONFIG[bits]
-        grid = (math.ceil(max_query_len / cfg["BLOCK_M"]), num_seqs, num_heads)
-        _extend_kernel[grid](
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-            qk_scale, v_scale, *q_strides, *cache_strides, *table_strides,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=max(cfg["BLOCK_N"], block_size),
-            PRECISION=precision, UPCAST=upcast, DOT_FP16=dot_fp16,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-    return out
+
+def _extend(call: _Call, max_query_len: int) -> None:
+    """The rows with more than one query token (prefill, extend)."""
+    cfg = EXTEND_CONFIG[call.bits]
+    grid = (math.ceil(max_query_len / cfg["BLOCK_M"]), call.num_seqs, call.num_heads)
+    _extend_kernel[grid](
+        *call.tensors, call.out, call.qk_scale, call.v_scale, *call.strides,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=max(cfg["BLOCK_N"], call.block_size),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **call.constexprs,
+    )
