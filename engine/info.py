@@ -3,6 +3,7 @@ The engine and its out-of-process client validate requests with the same code.""
 
 import msgspec
 
+from engine.generation_config import GenerationDefaults
 from engine.sampling_params import SamplingParams
 
 
@@ -13,6 +14,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     has_tokenizer: bool
     block_size: int
     num_blocks: int
+    generation_defaults: GenerationDefaults  # the model's recommended sampling values
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the parameter and the limit; changes nothing."""

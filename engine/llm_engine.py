@@ -117,6 +117,7 @@ class LLMEngine:
             model_name=self.model_name, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None,
             block_size=config.block_size, num_blocks=self.runner.num_blocks,
+            generation_defaults=loaded.generation_defaults,
         )
         self.requests: dict[str, _Request] = {}
         self.num_prefill_tokens = 0

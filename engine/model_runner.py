@@ -65,11 +65,11 @@ class ModelRunner:
         fp8 = config.kv_cache_dtype.startswith("fp8")
         self.cache_dtype = kernels.reference.FP8 if fp8 else model.dtype
         self.num_blocks = self._num_blocks(config, max_model_len)
+        logger.info("allocating the KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
+                    self.num_blocks, self.block_size,
+                    self.num_blocks * self.bytes_per_block / 2**30, self.cache_dtype)
         self.kv_cache = torch.zeros(self._cache_shape(self.num_blocks), dtype=self.cache_dtype,
                                     device=self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks,
-                    self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
-                    self.cache_dtype)
         if fp8:
             model.kv_scales = self._calibrate_kv_scales()
         # the last overlapped step's sampled tokens, which the next step reads as inputs

@@ -4,7 +4,7 @@ its config (:func:`finalize`), and the transformers model sharing them (:func:`b
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from accelerate import init_empty_weights
@@ -15,6 +15,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from engine.generation_config import GenerationDefaults
 
 DEFAULT_MODEL = "smollm2"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -35,6 +37,8 @@ class LoadedModel:
     # set when a dummy model borrows a tokenizer with fewer tokens than its vocabulary: only
     # ids below it may be sampled (the rest have no text)
     vocab_limit: int | None = None
+    # the sampling values the model recommends (its generation config)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def build_hf_model(loaded: LoadedModel) -> PreTrainedModel:

