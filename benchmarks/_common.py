@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DEFAULT_OUT = ROOT / "docs" / "bench"
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cpu"
 
 
 # -- lengths ------------------------------------------------------------------------------------

@@ -513,7 +513,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--turn-tokens", type=int, default=48)
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--out", type=Path, default=None,
-                   help="folder for results (default $OUT, else docs/bench-gpu)")
+                   help="folder for results (default $OUT, else benchmarks/results/h200)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     p.add_argument("--direct-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -525,7 +525,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.transports = [t for t in args.transports.split(",") if t]
     args.models = [m for m in args.models.split(",") if m]
-    args.out = args.out or Path(os.environ.get("OUT") or ROOT / "docs" / "bench-gpu")
+    args.out = args.out or Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "h200")
     return args
 
 
