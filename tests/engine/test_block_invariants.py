@@ -141,9 +141,12 @@ class BlockMachine(RuleBasedStateMachine):
             assert block.ref_cnt == holders[block.block_id], block
 
     @invariant()
-    def free_plus_used_is_total(self) -> None:
+    def used_blocks_are_the_held_blocks(self) -> None:
+        """The pool's count of blocks in use is the number of distinct blocks some sequence or
+        pinned session holds (a block out of the free queue that nobody holds is a leak), and
+        a block is in the free queue exactly when nobody holds it."""
         pool = self.kv.pool
-        assert pool.num_free + pool.num_used == pool.num_blocks
+        assert pool.num_used == len(self._holders())
         in_queue = set(pool.free_queue)
         for block in pool.blocks:
             assert (block.block_id in in_queue) == (block.ref_cnt == 0), block
