@@ -12,7 +12,7 @@ process, ``engine.core``).
 """
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,7 +25,8 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.loader import LoadedModel, load_model
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.request import Request
 from engine.sampler import draw, draw_key, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -36,31 +37,6 @@ from engine.structured import GrammarCompiler
 logger = logging.getLogger("engine")
 
 PLACEHOLDER = -1  # a sampled token the host has not read yet (token ids are never negative)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer | None]
-    pending_forks: list[Sequence]
-    final_only: bool  # one output when it finishes, else deltas (see ``engine.outputs``)
-    # per sample: output tokens already reported, text released but not yet reported, and
-    # whether its finish was reported (delta outputs)
-    sent_tokens: list[int] = field(init=False)
-    unsent_text: list[str] = field(init=False)
-    finish_sent: list[bool] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.sent_tokens = [0] * len(self.seqs)
-        self.unsent_text = [""] * len(self.seqs)
-        self.finish_sent = [False] * len(self.seqs)
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
 
 
 @dataclass
@@ -119,7 +95,7 @@ class LLMEngine:
             block_size=config.block_size, num_blocks=self.runner.num_blocks,
             generation_defaults=loaded.generation_defaults,
         )
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, Request] = {}
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -178,7 +154,7 @@ class LLMEngine:
             if self.tokenizer is not None else None
             for _ in seqs
         ]
-        self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs,
+        self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seqs,
                                              detokenizers, seqs[1:], final_only)
         self.scheduler.add(seqs[0])
 
@@ -195,8 +171,8 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
         if request.final_only:
-            return self._final_output(request)
-        return self._delta_output(request, finished=True)
+            return request.final_output()
+        return request.delta_output(finished=True)
 
     def release_session(self, session_id: str) -> bool:
         return self.kv.release_pin(session_id)
@@ -290,7 +266,7 @@ class LLMEngine:
         if inflight.ready is not None:
             inflight.ready.synchronize()
         tokens = inflight.host.tolist()
-        touched: dict[str, _Request] = {}
+        touched: dict[str, Request] = {}
         for seq, row in ((inflight.seqs[i], i) for i in inflight.rows.values()):
             request = self.requests.get(seq.request_id)
             if request is None or seq.is_finished:  # aborted while in flight
@@ -340,14 +316,14 @@ class LLMEngine:
             (lambda x: self._grammars().constrain(x, matchers))
             if any(m is not None for m in matchers) else None)
 
-        touched: dict[str, _Request] = {}
+        touched: dict[str, Request] = {}
         for seq, token_id, logprob in zip(sampled, token_ids, logprobs, strict=True):
             request = self.requests[seq.request_id]
             touched[request.request_id] = request
             self._append_token(request, seq, token_id, logprob)
         return self._outputs(touched)
 
-    def _outputs(self, touched: dict[str, _Request]) -> list[RequestOutput]:
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
             finished = request.finished
@@ -355,12 +331,12 @@ class LLMEngine:
                 del self.requests[request.request_id]
             if request.final_only:
                 if finished:
-                    outputs.append(self._final_output(request))
+                    outputs.append(request.final_output())
             else:
-                outputs.append(self._delta_output(request, finished))
+                outputs.append(request.delta_output(finished))
         return outputs
 
-    def _append_token(self, request: _Request, seq: Sequence, token_id: int,
+    def _append_token(self, request: Request, seq: Sequence, token_id: int,
                       logprob: TokenLogprob | None) -> None:
         seq.token_ids.append(token_id)
         if seq.matcher is not None:
@@ -389,55 +365,6 @@ class LLMEngine:
             if detok is not None and detok.stop_reason is None:
                 request.unsent_text[seq.index] += detok.flush()
             self.scheduler.finish(seq)
-
-    def _delta_output(self, request: _Request, finished: bool) -> RequestOutput:
-        """What each sample has new since the last output: tokens, text, logprobs, its
-        finish (reported once)."""
-        completions = []
-        sent_tokens, unsent_text, finish_sent = (request.sent_tokens, request.unsent_text,
-                                                 request.finish_sent)
-        for seq in request.seqs:
-            i = seq.index
-            sent = sent_tokens[i]
-            start = seq.num_prompt_tokens + sent
-            token_ids = seq.token_ids[start:]
-            reason = seq.finish_reason
-            if not token_ids and (reason is None or finish_sent[i]):
-                continue
-            logprobs = seq.logprobs
-            completions.append(CompletionOutput(
-                i, unsent_text[i], token_ids, reason,
-                logprobs[sent:] if logprobs is not None else None,
-                seq.cumulative_logprob if logprobs is not None else None,
-                seq.stop_reason,
-            ))
-            sent_tokens[i] = sent + len(token_ids)
-            unsent_text[i] = ""
-            finish_sent[i] = reason is not None
-        return RequestOutput(request.request_id, completions, request.seqs[0].num_cached_tokens,
-                             finished)
-
-    def _final_output(self, request: _Request) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                index=seq.index,
-                text=detok.text if detok is not None else "",
-                token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason,
-                logprobs=seq.logprobs,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                stop_reason=seq.stop_reason,
-            )
-            for seq, detok in zip(request.seqs, request.detokenizers, strict=True)
-        ]
-        return RequestOutput(
-            request_id=request.request_id,
-            outputs=completions,
-            num_cached_tokens=request.seqs[0].num_cached_tokens,
-            finished=request.finished,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-        )
 
     # -- chat --------------------------------------------------------------------------------
 
