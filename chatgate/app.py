@@ -135,6 +135,11 @@ def create_app(settings: Settings | None = None) -> Starlette:
     process dies, open streams end with an error, /healthz answers 503, and the server shuts
     down (``app.state.engine_failed`` tells the CLI to exit non-zero)."""
     settings = settings or Settings()
+    if settings.placeholder_secret:
+        log.warning("INSECURE: the server secret is the public placeholder %r; set "
+                    "CHATGATE_SECRET (or --server-secret) to a long random value, e.g. "
+                    "`openssl rand -hex 32` (with --tenants the gateway refuses to start)",
+                    settings.server_secret)
     tenants = TenantRegistry.load(settings.tenants_file, settings.server_secret)
 
     def on_engine_death(reason: str) -> None:
@@ -164,6 +169,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
         metrics = Metrics(settings.served_model_name or eng.model_name, settings.replica_id)
         metrics.attach_engine(eng.stats)
         gw = Gateway(settings, eng, tenants, store, metrics)
+        defaults = ", ".join(f"{k}={v}" for k, v in gw.sampling_defaults.items())
+        log.info("a request's unset sampling fields take %s (--generation-config %s)",
+                 f"the model's {defaults}" if defaults else "vLLM's defaults",
+                 settings.generation_config)
         try:
             await gw.warm_tenants()
             gw.start_background()

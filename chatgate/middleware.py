@@ -13,6 +13,7 @@
   seconds drops the connection; the abandoned stream's engine request is aborted.
 - **Access log**: one line per HTTP request once its response has ended: method, path,
   status, seconds, and the tokens of the turns it ran (``scope["state"]["turn_stats"]``).
+  (A WebSocket logs one line per turn instead: ``chatgate.ws``.)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chatgate.errors import APIError
+from chatgate.turn import TurnStats
 
 log = logging.getLogger("chatgate")
 
@@ -169,11 +171,16 @@ class RequestGuard:
             access_log(scope, status, time.monotonic() - began)
 
 
+def tokens_text(stats: list[TurnStats]) -> str:
+    """`` prompt=P cached=C completion=N`` summed over the turns (empty for none)."""
+    if not stats:
+        return ""
+    return (f" prompt={sum(s.prompt_tokens for s in stats)}"
+            f" cached={sum(s.cached_tokens for s in stats)}"
+            f" completion={sum(s.completion_tokens for s in stats)}")
+
+
 def access_log(scope: Scope, status: int, seconds: float) -> None:
     stats = scope.get("state", {}).get("turn_stats") or []
-    tokens = ""
-    if stats:
-        tokens = (f" prompt={sum(s.prompt_tokens for s in stats)}"
-                  f" cached={sum(s.cached_tokens for s in stats)}"
-                  f" completion={sum(s.completion_tokens for s in stats)}")
-    log.info("%s %s %d %.3fs%s", scope["method"], scope["path"], status, seconds, tokens)
+    log.info("%s %s %d %.3fs%s", scope["method"], scope["path"], status, seconds,
+             tokens_text(stats))

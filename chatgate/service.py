@@ -58,6 +58,11 @@ class Gateway:
         self.limiter = RateLimiter()
         self.model_name: str = settings.served_model_name or engine.model_name
         self.engine_model_name: str = engine.model_name
+        assert engine.info is not None, "the engine must be started"
+        # what a request leaves unset gets (--generation-config): the model's sampling values
+        self.sampling_defaults: dict[str, float | int] = (
+            engine.info.generation_defaults.values() if settings.generation_config == "auto"
+            else {})
         # engine session id -> monotonic time of last use (sessions pinned by this process)
         self._last_used: dict[str, float] = {}
         self._generating: set[str] = set()

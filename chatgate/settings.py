@@ -7,7 +7,18 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+# Server secrets that are public (docker-compose.yml's default): per-tenant cache salts derived
+# from one are known to anyone who reads the repository.
+PLACEHOLDER_SECRETS = frozenset({"change-me-to-a-long-random-secret"})
 
 
 class EngineSettings(BaseModel):
@@ -94,3 +105,16 @@ class Settings(BaseModel):
         if self.tenants_file is not None and not self.tenants_file.is_file():
             raise ValueError(f"tenants file not found: {self.tenants_file}")
         return self
+
+    @property
+    def placeholder_secret(self) -> bool:
+        return self.server_secret in PLACEHOLDER_SECRETS
+
+    @field_validator("server_secret")
+    @classmethod
+    def _refuse_placeholder_secret(cls, v: str, info: ValidationInfo) -> str:
+        if v in PLACEHOLDER_SECRETS and info.data.get("tenants_file") is not None:
+            raise ValueError("a public placeholder cannot protect tenants; set CHATGATE_SECRET "
+                             "(or --server-secret) to a long random value, e.g. "
+                             "`openssl rand -hex 32`")
+        return v

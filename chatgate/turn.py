@@ -52,12 +52,13 @@ class TurnStats:
         }
 
 
-def sampling_params(**kwargs: Any) -> SamplingParams:
-    """``SamplingParams`` from OpenAI-style values (None: the default); its ``ValueError``
-    (which names the parameter) becomes a 400."""
-    top_k = kwargs.pop("top_k", None)
-    kw = {k: v for k, v in kwargs.items() if v is not None}
-    kw["top_k"] = 0 if top_k is None or top_k < 0 else top_k
+def sampling_params(defaults: dict[str, Any], **kwargs: Any) -> SamplingParams:
+    """``SamplingParams`` from OpenAI-style values; one left None takes its value from
+    ``defaults`` (the model's generation config), else ``SamplingParams``' own. A ``top_k``
+    of -1 means none, as in vLLM. Its ``ValueError`` (which names the parameter) becomes a
+    400."""
+    kw = {**defaults, **{k: v for k, v in kwargs.items() if v is not None}}
+    kw["top_k"] = max(kw.get("top_k", 0), 0)
     try:
         return SamplingParams(**kw)
     except ValueError as e:
@@ -116,7 +117,8 @@ class Turn:
             except ValueError as e:
                 raise APIError(400, str(e), param="messages", code="invalid_value") from None
         max_tokens = self.gw.check_prompt(self.prompt_ids, max_tokens, clamp=clamp_max_tokens)
-        self.params = sampling_params(max_tokens=max_tokens, **sampling)
+        self.params = sampling_params(self.gw.sampling_defaults, max_tokens=max_tokens,
+                                      **sampling)
         assert self.gw.engine.info is not None
         try:  # what the engine would refuse, refused before anything is streamed
             self.gw.engine.info.validate(self.prompt_ids, self.params)

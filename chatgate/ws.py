@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -16,16 +17,18 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from chatgate.body import parse_json
 from chatgate.errors import APIError, from_validation_error
+from chatgate.middleware import tokens_text
 from chatgate.openai_models import WSParams
 from chatgate.service import Gateway
 from chatgate.session_ids import HEADER, QUERY_PARAM, agreed_session_id
 from chatgate.sessions import SessionRecord, is_store_error
 from chatgate.tenants import Tenant
-from chatgate.turn import Turn
+from chatgate.turn import Turn, TurnStats
 
 log = logging.getLogger("chatgate")
 
 SUBPROTOCOL = "chatgate"
+TURN_EVENTS = frozenset({"message", "regenerate"})
 BEARER_PREFIX = "bearer."
 _encode = msgspec.json.Encoder().encode
 
@@ -128,9 +131,12 @@ class WSConnection:
         if handler is None:
             await self.error("unknown_event", f"Unknown event type '{etype[:64]}'.")
             return True
+        began = time.perf_counter()
         try:
             await handler(event)
         except APIError as e:
+            if etype in TURN_EVENTS:  # a turn refused before it generated
+                self.log_turn(etype, e.code or "error", time.perf_counter() - began, None)
             extra = {}
             if "Retry-After" in e.headers:
                 extra["retry_after"] = int(e.headers["Retry-After"])
@@ -213,7 +219,7 @@ class WSConnection:
             raise
         self.session.messages.append(user)
         self.session.num_messages += 1
-        self.task = asyncio.create_task(self._generate(turn))
+        self.task = asyncio.create_task(self._generate(turn, "message"))
 
     async def on_regenerate(self, event: dict[str, Any]) -> None:
         if self.session is None:
@@ -235,7 +241,15 @@ class WSConnection:
         except BaseException:
             turn.release()
             raise
-        self.task = asyncio.create_task(self._generate(turn))
+        self.task = asyncio.create_task(self._generate(turn, "regenerate"))
+
+    def log_turn(self, event_type: str, outcome: str, seconds: float,
+                 stats: TurnStats | None) -> None:
+        """One line per turn, like the HTTP access log's: ``WS <path> <event> <outcome>
+        <seconds>s prompt=P cached=C completion=N``; the outcome is the finish reason
+        (``stop``, ``length``, ``cancelled``) or the error code."""
+        log.info("WS %s %s %s %.3fs%s", self.ws.url.path, event_type, outcome, seconds,
+                 tokens_text([stats] if stats is not None else []))
 
     async def _start_turn(self, messages: list[dict[str, str]], event: dict[str, Any]) -> Turn:
         assert self.tenant is not None and self.session is not None
@@ -245,7 +259,7 @@ class WSConnection:
         await turn.start()
         return turn
 
-    async def _generate(self, turn: Turn) -> None:
+    async def _generate(self, turn: Turn, event_type: str) -> None:
         """Stream the answer as ``delta`` events, then ``done`` once the turn is stored. A
         cancelled answer keeps its partial text (stored, then ``done`` "cancelled")."""
         assert self.session is not None
@@ -274,10 +288,13 @@ class WSConnection:
             error = APIError(500, f"{type(e).__name__}: {e}", code="internal_error")
         finally:
             turn.release()
+            stats = turn.stats
+            outcome = finish if error is None else error.code or "error"
+            self.log_turn(event_type, outcome, (stats.ended or time.perf_counter())
+                          - stats.started, stats)
         if error is not None:
             await self.error(error.code or "error", error.message)
             return
-        stats = turn.stats
         with contextlib.suppress(Exception):  # the client may be gone
             await self.send({
                 "type": "done",

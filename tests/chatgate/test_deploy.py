@@ -1,15 +1,20 @@
 """docker-compose.yml / Dockerfile / tenants.example.toml are valid. No Docker engine runs
 here: the compose file is checked with ``docker compose config`` when the docker CLI has the
-compose plugin (skipped otherwise), and structurally with PyYAML."""
+compose plugin (skipped otherwise), and structurally with PyYAML. Its default secret is a
+public placeholder, which ``chatgate serve`` refuses when tenants are configured."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 from chatgate_testlib import REPO
 
+from chatgate.settings import PLACEHOLDER_SECRETS
 from chatgate.tenants import TenantRegistry, hash_api_key
 
 
@@ -100,3 +105,20 @@ def test_example_tenants_file_loads():
     assert reg.cache_salt(a) != reg.cache_salt(b)
     assert reg.cache_salt(a) != other.cache_salt(a)
     assert reg.engine_session_id(a, "s") != reg.engine_session_id(b, "s")
+
+
+def test_the_compose_default_secret_is_a_known_placeholder():
+    yaml = pytest.importorskip("yaml")
+    env = yaml.safe_load((REPO / "docker-compose.yml").read_text())["x-gateway"]["environment"]
+    default = re.fullmatch(r"\$\{CHATGATE_SECRET:-(.+)\}", env["CHATGATE_SECRET"])
+    assert default is not None and default.group(1) in PLACEHOLDER_SECRETS
+
+
+def test_a_placeholder_secret_with_tenants_is_refused_before_anything_starts():
+    secret = next(iter(PLACEHOLDER_SECRETS))
+    r = subprocess.run([sys.executable, "-m", "chatgate", "serve", "--tenants",
+                        str(REPO / "tenants.example.toml")], capture_output=True, text=True,
+                       cwd=REPO, env={**os.environ, "CHATGATE_SECRET": secret}, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith("chatgate serve: invalid server_secret: ")
+    assert "a public placeholder cannot protect tenants; set CHATGATE_SECRET" in r.stderr

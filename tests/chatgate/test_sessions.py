@@ -103,6 +103,23 @@ async def test_five_turn_websocket_conversation_reuses_the_pinned_session(server
     assert {"created", "updated"} <= set(entry)
 
 
+async def test_each_websocket_turn_gets_one_log_line_with_its_outcome_and_tokens(server):
+    async with websockets.connect(server.ws_url, subprotocols=subprotocols()) as ws:
+        await ws.send(json.dumps({"type": "session.create", "system": unique_system()}))
+        await recv_event(ws, {"session"})
+        _, done = await ws_turn(ws, "Say hi.")
+        await ws.send(json.dumps({"type": "message", "content": "Hi",
+                                  "params": {"temperature": 5}}))
+        assert (await recv_event(ws, {"error"}))["code"] == "invalid_params"
+    lines = server.log().splitlines()
+    u = done["usage"]
+    answered = [ln for ln in lines if f" WS /v1/ws message {done['finish_reason']} " in ln]
+    assert answered[-1].endswith(f"s prompt={u['prompt_tokens']} cached={u['cached_tokens']} "
+                                 f"completion={u['completion_tokens']}")
+    refused = [ln for ln in lines if " WS /v1/ws message invalid_params " in ln]
+    assert refused and refused[-1].endswith("s")  # no tokens: it never reached the engine
+
+
 def test_same_conversation_over_sse_with_session_id(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS["alice"], max_retries=0,
                            timeout=120)
