@@ -13,6 +13,7 @@ import torch
 
 from engine.generation_config import (
     GenerationDefaults,
+    gguf_scalars,
     read_generation_config,
     read_gguf_sampling,
     write_generation_config,
@@ -26,6 +27,15 @@ def test_bundled_smollm2_gguf_has_no_sampling_metadata_and_gets_its_model_cards_
         smollm2: LoadedModel) -> None:
     assert read_gguf_sampling(smollm2_gguf_path()) == GenerationDefaults()
     assert smollm2.generation_defaults == GenerationDefaults(temperature=0.2, top_p=0.9)
+
+
+def test_header_scan_reads_the_scalars_gguf_reader_reads() -> None:
+    """Keys before and after the tokenizer's 49k-string arrays, which the scan skips."""
+    path = smollm2_gguf_path()
+    reader = gguf.GGUFReader(str(path), "r")
+    keys = {"llama.context_length", "llama.rope.freq_base", "tokenizer.ggml.add_bos_token",
+            "tokenizer.ggml.eos_token_id", "general.quantization_version"}
+    assert gguf_scalars(path, keys) == {k: reader.get_field(k).contents() for k in keys}
 
 
 def test_gguf_sampling_metadata_gives_the_sampling_values(tmp_path: Path) -> None:
