@@ -37,7 +37,7 @@ from chatgate.sessions import is_store_error, make_store
 from chatgate.settings import Settings
 from chatgate.tenants import TenantRegistry
 from chatgate.ws import ws_endpoint
-from engine import AsyncEngine, EngineConfig
+from engine import AsyncEngine
 
 log = logging.getLogger("chatgate")
 
@@ -59,11 +59,11 @@ def static_dir() -> Path | None:
 
 async def start_engine(settings: Settings) -> AsyncEngine:
     """Start the engine process and wait until its model is loaded (its progress is logged)."""
-    kw = settings.engine.engine_kwargs()
+    config = settings.engine
     log.info("starting the engine: model %r (device=%s, dtype=%s, block_size=%d)...",
-             kw["model"], kw["device"] or "auto", kw["dtype"] or "auto", kw["block_size"])
+             config.model, config.device or "auto", config.dtype or "auto", config.block_size)
     t0 = time.perf_counter()
-    engine = AsyncEngine(EngineConfig(**kw), log_level=settings.log_level)
+    engine = AsyncEngine(config, log_level=settings.log_level)
     await engine.start()
     log.info("model %s loaded in %.1fs: max_model_len=%d", engine.model_name,
              time.perf_counter() - t0, engine.max_model_len)

@@ -4,56 +4,47 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+import typing
 from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from chatgate.settings import EngineSettings, Settings
+from chatgate.settings import Settings
+from engine.config import EngineConfig
 
 log = logging.getLogger("chatgate")
 
 
+def engine_flags() -> list[dataclasses.Field]:
+    """The ``EngineConfig`` fields ``chatgate serve`` exposes (those with a ``help``)."""
+    return [f for f in dataclasses.fields(EngineConfig) if "help" in f.metadata]
+
+
+def _add_engine_args(group: argparse._ArgumentGroup) -> None:
+    """One flag per exposed ``EngineConfig`` field, typed by its annotation."""
+    for f in engine_flags():
+        flag = "--" + f.name.replace("_", "-")
+        kinds = [a for a in typing.get_args(f.type) if a is not type(None)] or [f.type]
+        kind = kinds[0]
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f.metadata["help"])
+        else:
+            group.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
+                               choices=f.metadata.get("choices"))
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine (vLLM's flags)")
-    e.add_argument("--model", default="smollm2",
-                   help="model name or path (default: smollm2, SmolLM2-135M-Instruct)")
-    e.add_argument("--tokenizer", default=None,
-                   help="a Hugging Face tokenizer folder to use instead of the model's own")
-    e.add_argument("--served-model-name", default=None,
-                   help="model id shown by /v1/models and accepted in requests")
-    e.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)")
-    e.add_argument("--dtype", default=None,
-                   choices=["auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"])
-    e.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
-    e.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="explicit KV-cache size in blocks (overrides memory sizing)")
-    e.add_argument("--kv-cache-bytes", type=int, default=None,
-                   help="KV-cache byte budget (CPU sizing)")
-    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                   help="KV cache element type: auto (the model's dtype) or fp8 (e4m3 with "
-                        "per-layer scales: twice the blocks in the same memory)")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--max-num-seqs", type=int, default=128)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True)
-    e.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
-    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule the next step while the device runs this one (default: on "
-                        "with CUDA, off on CPU)")
-    e.add_argument("--admission-batch", type=int, default=None,
-                   help="while requests run, admit waiting ones once this many slots are free "
-                        "(default: max-num-seqs/16 with CUDA graphs, else 1)")
-    e.add_argument("--quantization", default=None, choices=["int8"],
-                   help="weight-only int8 linear layers (CPU): a quarter of float32's bytes "
-                        "per step, the argmax within a few percent of it (docs/benchmarks.md)")
-    e.add_argument("--seed", type=int, default=0)
+    _add_engine_args(e)
 
     g = p.add_argument_group("gateway")
+    g.add_argument("--served-model-name", default=None,
+                   help="model id shown by /v1/models and accepted in requests")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--replica-id", default=None,
@@ -99,17 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    engine = EngineSettings(
-        model=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
-        kv_cache_dtype=args.kv_cache_dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        admission_batch=args.admission_batch, quantization=args.quantization, seed=args.seed,
-    )
+    engine = {f.name: getattr(args, f.name) for f in engine_flags()}
     kw = dict(
         host=args.host, port=args.port, engine=engine, served_model_name=args.served_model_name,
         redis_url=args.redis_url, redis_prefix=args.redis_prefix, tenants_file=args.tenants,

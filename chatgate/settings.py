@@ -16,41 +16,12 @@ from pydantic import (
     model_validator,
 )
 
+from engine.config import EngineConfig
+
 # Server secrets that are public (docker-compose.yml's default): per-tenant cache salts derived
 # from one are known to anyone who reads the repository.
 PLACEHOLDER_SECRETS = frozenset({"change-me-to-a-long-random-secret"})
 
-
-class EngineSettings(BaseModel):
-    """The engine knobs, named like vLLM's flags. ``None`` lets the engine pick."""
-
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    model: str = "smollm2"
-    tokenizer: str | None = None
-    device: str | None = None
-    dtype: Literal["auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"] | None = None
-    block_size: Literal[8, 16, 32] = 16
-    num_kv_blocks: int | None = Field(default=None, ge=1)
-    kv_cache_bytes: int | None = Field(default=None, ge=1)
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
-    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    max_num_seqs: int = Field(default=128, ge=1)
-    max_model_len: int | None = Field(default=None, ge=2)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    async_scheduling: bool | None = None
-    admission_batch: int | None = Field(default=None, ge=1)
-    quantization: Literal["int8"] | None = None
-    seed: int = 0
-
-    def engine_kwargs(self) -> dict:
-        """Keyword arguments for ``engine.EngineConfig``."""
-        kw = self.model_dump()
-        if kw.get("dtype") == "auto":
-            kw["dtype"] = None
-        return kw
 
 
 class Settings(BaseModel):
@@ -62,7 +33,7 @@ class Settings(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)
     replica_id: str = Field(default_factory=socket.gethostname,
                             pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
-    engine: EngineSettings = Field(default_factory=EngineSettings)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     served_model_name: str | None = None
 
     redis_url: str | None = None

@@ -1,70 +1,101 @@
-"""Engine configuration: vLLM's knob names, validated once at start-up."""
+"""Engine configuration: vLLM's knob names, validated once at start-up.
 
-from dataclasses import dataclass
+``EngineConfig`` is the one declaration of the engine's settings: ``LLM(**kwargs)`` passes into
+it, the gateway validates ``chatgate serve``'s engine settings as it (pydantic reads the
+dataclass), and the CLI derives one flag per field whose metadata has a ``help`` (the flag is
+the field's name with dashes: ``max_num_seqs`` -> ``--max-num-seqs``; ``choices`` restricts it).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 BLOCK_SIZES = (8, 16, 32)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # KV cache element types (vLLM's names): "auto" is the model's dtype; "fp8" (or "fp8_e4m3")
 # stores float8_e4m3fn codes with one K and one V scale per layer.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATIONS = ("int8",)
+
+
+def _flag(default: Any, help: str, choices: tuple | None = None) -> Any:  # noqa: A002
+    """A field that ``chatgate serve`` exposes as a flag."""
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start. ``None`` means "pick from the model/device"."""
 
-    model: str = "smollm2"
-    tokenizer: str | None = None  # a Hugging Face tokenizer folder instead of the model's own
-    device: str | None = None
-    dtype: str | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    pin_budget_fraction: float = 0.5
-    seed: int = 0
-    use_weight_cache: bool = True
-    enforce_eager: bool = False
+    model: str = _flag("smollm2", "model name or path (default: smollm2, SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _flag(None, "a Hugging Face tokenizer folder to use instead of the "
+                                        "model's own")
+    device: str | None = _flag(None, "cpu, cuda, cuda:N (default: cuda if present)")
+    dtype: str | None = _flag(None, "weights and activations (default: bfloat16 on CUDA, "
+                                    "float32 on CPU)", ("auto", *DTYPES))
+    block_size: int = _flag(16, "tokens per KV block", BLOCK_SIZES)
+    num_kv_blocks: int | None = _flag(None, "explicit KV-cache size in blocks (overrides "
+                                            "memory sizing)")
+    kv_cache_bytes: int | None = _flag(None, "KV-cache byte budget (CPU sizing)")
+    kv_cache_dtype: str = _flag("auto", "KV cache element type: auto (the model's dtype) or "
+                                        "fp8 (e4m3 with per-layer scales: twice the blocks in "
+                                        "the same memory)", KV_CACHE_DTYPES)
+    gpu_memory_utilization: float = _flag(0.9, "fraction of GPU memory for weights, "
+                                               "activations and the KV cache")
+    max_num_seqs: int = _flag(128, "sequences per step at most")
+    max_num_batched_tokens: int = _flag(2048, "tokens per step at most (chunked prefill)")
+    max_model_len: int | None = _flag(None, "context length (default: the model's)")
+    enable_prefix_caching: bool = _flag(True, "share KV blocks of equal prefixes")
+    pin_budget_fraction: float = 0.5  # of the pool that pinned sessions may hold
+    seed: int = _flag(0, "seed of the weights of dummy models and of unseeded sampling")
+    use_weight_cache: bool = True  # converted GGUF weights cached on disk
+    enforce_eager: bool = _flag(False, "disable CUDA graphs")
     # While sequences run, waiting ones are admitted only once this many slots are free (or
     # every waiting one fits), so new prefills arrive in groups: fewer steps mix prefill with
-    # decode, and only pure-decode steps replay CUDA graphs. None: max_num_seqs // 16 when
-    # CUDA graphs are on, else 1 (admit as soon as a slot frees).
-    admission_batch: int | None = None
-    # weight-only quantization of the linear layers (CPU): None (the model's dtype) or "int8"
-    quantization: str | None = None
+    # decode, and only pure-decode steps replay CUDA graphs.
+    admission_batch: int | None = _flag(None, "while requests run, admit waiting ones once "
+                                              "this many slots are free (default: "
+                                              "max-num-seqs/16 with CUDA graphs, else 1)")
+    quantization: str | None = _flag(None, "weight-only int8 linear layers (CPU): a quarter of "
+                                           "float32's bytes per step", QUANTIZATIONS)
     # Overlapped scheduling (vLLM's --async-scheduling): while the device runs a step, the host
     # reads the previous one's tokens and schedules the next; a finished request computes one
-    # extra token, discarded. Steps that need host-side sampling (grammars, penalties,
-    # logprobs, the first token of n > 1) run synchronously. None: on with CUDA, off on CPU
-    # (where nothing runs while the host works, so it would only delay each output by a step).
-    async_scheduling: bool | None = None
+    # extra token, discarded. Rows with grammars or penalties are sampled once the previous
+    # token is read (while the forward runs); steps with logprobs or the first token of n > 1
+    # run synchronously. Off on CPU by default, where nothing runs while the host works, so it
+    # would only delay each output by a step.
+    async_scheduling: bool | None = _flag(None, "schedule the next step while the device runs "
+                                                "this one (default: on with CUDA, off on CPU)")
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            self.dtype = None
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
-                             f"got {self.kv_cache_dtype!r}")
-        if self.admission_batch is not None and self.admission_batch < 1:
-            raise ValueError(f"admission_batch must be at least 1, got {self.admission_batch}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+                     "kv_cache_bytes", "admission_batch"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if not 0.0 <= self.pin_budget_fraction <= 1.0:
             raise ValueError(
                 f"pin_budget_fraction must be in [0, 1], got {self.pin_budget_fraction}"
@@ -79,10 +110,5 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype is not None:
-            names = {"float32": torch.float32, "float16": torch.float16,
-                     "bfloat16": torch.bfloat16, "fp32": torch.float32,
-                     "fp16": torch.float16, "bf16": torch.bfloat16}
-            if self.dtype not in names:
-                raise ValueError(f"dtype must be one of {sorted(names)}, got {self.dtype!r}")
-            return names[self.dtype]
+            return DTYPES[self.dtype]
         return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32

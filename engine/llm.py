@@ -17,33 +17,12 @@ Conversation = list[dict]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str = "smollm2",
-        device: str | None = None,
-        dtype: str | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        seed: int | None = None,
-        loaded: LoadedModel | None = None,
-        **kwargs: object,
-    ) -> None:
-        """``loaded``: the model already loaded (see ``LLMEngine``); other arguments are
-        ``EngineConfig``'s."""
-        config = EngineConfig(
-            model=model, device=device, dtype=dtype, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
-            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, seed=seed or 0, **kwargs,
-        )
-        self.engine = LLMEngine(config, loaded=loaded)
+    def __init__(self, model: str = "smollm2", *, loaded: LoadedModel | None = None,
+                 **options: object) -> None:
+        """``options``: ``EngineConfig``'s fields (vLLM's names); ``loaded``: the model already
+        loaded (see ``LLMEngine``)."""
+        self.engine = LLMEngine(EngineConfig(model=model, **options),  # type: ignore[arg-type]
+                                loaded=loaded)
         self._ids = itertools.count()
 
     @property

@@ -42,9 +42,23 @@ def test_vllm_flags_map_to_the_engine_config():
     assert s.redis_url == "redis://127.0.0.1:6379/1"
     from engine import EngineConfig
 
-    cfg = EngineConfig(**{k: v for k, v in e.engine_kwargs().items()
-                          if k in EngineConfig.__dataclass_fields__})
-    assert cfg.block_size == 32 and cfg.enable_prefix_caching is False
+    assert isinstance(e, EngineConfig)
+
+
+def test_every_exposed_engine_config_field_has_its_vllm_flag():
+    """The CLI's engine flags are EngineConfig's fields: adding a field with a help text adds
+    the flag, typed and defaulted as the field."""
+    from chatgate.cli import engine_flags
+
+    names = {f.name for f in engine_flags()}
+    assert {"kv_cache_dtype", "async_scheduling", "quantization", "max_num_seqs"} <= names
+    assert {"pin_budget_fraction", "use_weight_cache"}.isdisjoint(names)  # not flags
+    s = parse("--kv-cache-dtype", "fp8", "--async-scheduling", "--quantization", "int8",
+              "--dtype", "auto", "--no-enforce-eager")
+    assert (s.engine.kv_cache_dtype, s.engine.async_scheduling, s.engine.quantization,
+            s.engine.dtype) == ("fp8", True, "int8", None)
+    assert parse().engine.async_scheduling is None
+    assert parse("--no-async-scheduling").engine.async_scheduling is False
 
 
 def test_replica_id_defaults_to_the_hostname():
@@ -67,6 +81,7 @@ def test_redis_url_from_the_environment(monkeypatch):
 @pytest.mark.parametrize("argv", [
     ["--gpu-memory-utilization", "1.5"],
     ["--max-num-seqs", "0"],
+    ["--max-model-len", "1"],
     ["--port", "70000"],
     ["--tenants", "/nonexistent/tenants.toml"],
     ["--redis-url", "http://not-redis"],
