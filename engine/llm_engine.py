@@ -1,7 +1,8 @@
 """The engine core: requests in, one scheduled step at a time, outputs out.
 
 With overlapped scheduling (``EngineConfig.async_scheduling``) a step is launched before the
-previous one's tokens are read: each sampled sequence then ends in ``PLACEHOLDER`` until the
+previous one's tokens are read (rows with grammars or penalties are sampled once they are, while
+the device runs the step's forward): each sampled sequence then ends in ``PLACEHOLDER`` until the
 next step resolves it (so the scheduler counts the token it will compute), the next step's
 input for it is taken on the device, and a sequence that the resolved token finishes has
 computed one token more, discarded. Between steps at most one step is in flight, and a
@@ -12,14 +13,13 @@ process, ``engine.core``).
 """
 
 import logging
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.chat import render_chat
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.inflight import PLACEHOLDER, InflightStep
 from engine.info import EngineInfo
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import LoadedModel, load_model
@@ -27,7 +27,7 @@ from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.request import Request
-from engine.sampler import draw, draw_key, sample
+from engine.sampler import draw, draw_key, sample, shaped
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -36,19 +36,6 @@ from engine.structured import GrammarCompiler
 
 logger = logging.getLogger("engine")
 
-PLACEHOLDER = -1  # a sampled token the host has not read yet (token ids are never negative)
-
-
-@dataclass
-class _InflightStep:
-    """A launched step whose tokens are on their way to the host: ``host[i]``, once ``ready``
-    has completed (None: already there), is the token of ``seqs[i]``, whose last token is
-    ``PLACEHOLDER`` until then; ``rows[seq_id]`` is that row."""
-
-    seqs: list[Sequence]
-    host: torch.Tensor
-    ready: torch.cuda.Event | None
-    rows: dict[int, int]
 
 
 class LLMEngine:
@@ -100,7 +87,7 @@ class LLMEngine:
         self.num_decode_tokens = 0
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
-        self._inflight: _InflightStep | None = None
+        self._inflight: InflightStep | None = None
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -202,19 +189,22 @@ class LLMEngine:
         if not batch.seqs:
             return outputs + self._resolve_inflight()
         sample_indices = self._sample_indices(batch)
-        logits = self.runner.execute(batch, sample_indices, self._feed(batch))
+        logits = self.runner.execute(
+            batch, sample_indices,
+            self._inflight.feed(batch.seqs) if self._inflight is not None else None)
         if overlap:
-            keys = [self._key(seq) for seq in sampled]
-            tokens = draw(logits, [seq.params for seq in sampled], keys)
+            # Rows whose logits depend on the previous token (grammars, penalties) are sampled
+            # after it is read, while the device computes this step's forward; others before.
+            late = any(seq.matcher is not None or seq.params.shapes_logits for seq in sampled)
+            if late:
+                outputs = self._resolve_inflight()
+            tokens = draw(self._shaped(logits, sampled), [seq.params for seq in sampled],
+                          [self._key(seq) for seq in sampled])
             host, ready = self.runner.keep_sampled(tokens)
-            outputs = self._resolve_inflight()  # the previous step's, while this one runs
+            if not late:
+                outputs = self._resolve_inflight()  # the previous step's, while this one runs
             self._commit(batch)
-            live = [i for i, seq in enumerate(sampled) if not seq.is_finished]
-            for i in live:
-                sampled[i].token_ids.append(PLACEHOLDER)
-            if live:
-                self._inflight = _InflightStep(sampled, host, ready,
-                                               {sampled[i].seq_id: i for i in live})
+            self._inflight = InflightStep.launch(sampled, host, ready)
             return outputs
         self._commit(batch)
         return outputs + self._sample_now(batch, sample_indices, logits)
@@ -230,11 +220,24 @@ class LLMEngine:
         return [batch.seqs[i] for i in self._sample_indices(batch)]
 
     def _overlappable(self, seq: Sequence) -> bool:
-        """Whether the device alone can sample ``seq``'s next token (no grammar, penalties,
-        logprobs or pending forks, which need the host)."""
-        params = seq.params
-        return (seq.matcher is None and params.logprobs is None and not params.shapes_logits
+        """Whether ``seq``'s next token can be sampled without reading it at once (logprobs
+        and the first token of n > 1, which forks, need it on the host)."""
+        return (seq.params.logprobs is None
                 and not self.requests[seq.request_id].pending_forks)
+
+    def _shaped(self, logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor:
+        """The logits ``sampled`` choose from (penalties, grammars); a row a resolved token
+        finished is left as it is (its token is discarded)."""
+        live = [not seq.is_finished for seq in sampled]
+        matchers = [seq.matcher if ok else None for seq, ok in zip(sampled, live, strict=True)]
+        params = [seq.params for seq in sampled]
+        if not any(m is not None for m in matchers) and not any(p.shapes_logits for p in params):
+            return logits
+        histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids)
+                     if s.params.shapes_logits else ((), ()) for s in sampled]
+        return shaped(logits, params, histories, self.eos_token_ids,
+                      (lambda x: self._grammars().constrain(x, matchers))
+                      if any(m is not None for m in matchers) else None)
 
     @staticmethod
     def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
@@ -248,32 +251,17 @@ class LLMEngine:
         return (draw_key(seq.seed, seq.num_tokens - seq.num_prompt_tokens)
                 if seq.seed is not None else None)
 
-    def _feed(self, batch: ScheduledBatch) -> np.ndarray | None:
-        """For ``runner.execute``: the in-flight row of each sequence whose input token is
-        still on the device, else -1; None when no step is in flight."""
-        inflight = self._inflight
-        if inflight is None:
-            return None
-        return np.fromiter((inflight.rows.get(seq.seq_id, -1) for seq in batch.seqs),
-                           dtype=np.int64, count=len(batch.seqs))
-
     def _resolve_inflight(self) -> list[RequestOutput]:
         """Read the in-flight step's tokens into their sequences (stop checks, text) and
         return the outputs they make."""
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return []
-        if inflight.ready is not None:
-            inflight.ready.synchronize()
-        tokens = inflight.host.tolist()
         touched: dict[str, Request] = {}
-        for seq, row in ((inflight.seqs[i], i) for i in inflight.rows.values()):
-            request = self.requests.get(seq.request_id)
-            if request is None or seq.is_finished:  # aborted while in flight
-                continue
-            seq.token_ids.pop()
+        for seq, token in inflight.tokens():
+            request = self.requests[seq.request_id]
             touched[request.request_id] = request
-            self._append_token(request, seq, tokens[row], None)
+            self._append_token(request, seq, token, None)
         return self._outputs(touched)
 
     def _commit(self, batch: ScheduledBatch) -> None:

@@ -60,6 +60,20 @@ def sample(
     num_rows = logits.shape[0]
     if not len(params) == len(keys) == num_rows:
         raise ValueError(f"{num_rows} logits rows but {len(params)} params and {len(keys)} keys")
+    shaped_logits = shaped(logits, params, histories, eos_token_ids, constrain)
+    return _with_logprobs(logits, draw(shaped_logits, params, keys), params)
+
+
+def shaped(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+    eos_token_ids: Collection[int] = (),
+    constrain: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """The logits rows choose from: ``logits`` itself, or a float32 copy with the rows'
+    penalties, bias and ``min_tokens`` applied (:func:`shape_logits`) and then ``constrain``
+    (see :func:`sample`)."""
     raw = logits
     if any(p.shapes_logits for p in params):
         assert histories is not None, "penalties need each row's token history"
@@ -68,7 +82,8 @@ def sample(
         if logits is raw:
             logits = _float_copy(raw)
         constrain(logits)
-    return _with_logprobs(raw, draw(logits, params, keys), params)
+    return logits
+
 
 
 def draw(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -1,14 +1,14 @@
 """Overlapped scheduling (``async_scheduling``) on the CPU path: outputs arrive one step later
-but are those of synchronous steps (lengths, stops, seeds, sessions, logprobs, grammars, which
-fall back to synchronous steps); an abort while a token is in flight reports nothing of it and
-frees every block."""
+but are those of synchronous steps (lengths, stops, seeds, sessions; grammars and penalties,
+sampled once the previous token is read; logprobs and n > 1, which run synchronously); an abort
+while a token is in flight reports nothing of it and frees every block."""
 
 import json
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import PLACEHOLDER
+from engine.inflight import PLACEHOLDER
 from engine.structured import StructuredOutput
 
 CHATS = ["Write a haiku about the sea.", "What is the capital of France?",
@@ -43,7 +43,7 @@ def test_overlapped_outputs_equal_synchronous_for_lengths_stops_and_seeds(engine
     assert [r[2] for r in sync] == ["length", "stop", "stop", "length"]
 
 
-def test_host_side_sampling_falls_back_to_synchronous_steps(engines) -> None:
+def test_grammars_penalties_logprobs_and_forks_sample_as_in_synchronous_steps(engines) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string"}},
               "required": ["city"]}
     params = [SamplingParams(temperature=0, max_tokens=12, logprobs=2),

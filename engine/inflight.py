@@ -1,0 +1,56 @@
+"""A step launched before the host read its sampled tokens (overlapped scheduling, see
+``engine.llm_engine``): until it is resolved, each of its sequences ends in ``PLACEHOLDER``,
+so the scheduler counts the token it will compute, and the next step takes that token as
+input on the device (:meth:`InflightStep.feed`)."""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.sequence import Sequence
+
+PLACEHOLDER = -1  # a sampled token the host has not read yet (token ids are never negative)
+
+
+@dataclass
+class InflightStep:
+    """``host[i]``, once ``ready`` has completed (None: already there), is the token of
+    ``seqs[i]``; ``rows`` maps the seq_id of each sequence that awaits its token to its row."""
+
+    seqs: list[Sequence]
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+    rows: dict[int, int]
+
+    @staticmethod
+    def launch(sampled: list[Sequence], host: torch.Tensor,
+               ready: torch.cuda.Event | None) -> "InflightStep | None":
+        """Put a placeholder at the end of every ``sampled`` sequence still running; None when
+        there is none."""
+        live = [i for i, seq in enumerate(sampled) if not seq.is_finished]
+        for i in live:
+            sampled[i].token_ids.append(PLACEHOLDER)
+        if not live:
+            return None
+        return InflightStep(sampled, host, ready, {sampled[i].seq_id: i for i in live})
+
+    def feed(self, seqs: list[Sequence]) -> np.ndarray:
+        """For ``ModelRunner.execute``: each sequence's row here if its input is the token in
+        flight, else -1."""
+        return np.fromiter((self.rows.get(seq.seq_id, -1) for seq in seqs), dtype=np.int64,
+                           count=len(seqs))
+
+    def tokens(self) -> Iterator[tuple[Sequence, int]]:
+        """Wait for the tokens, then each sequence still waiting for its token (not aborted
+        meanwhile) with that token, its placeholder removed."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        values = self.host.tolist()
+        for i in self.rows.values():
+            seq = self.seqs[i]
+            if seq.is_finished:  # aborted while in flight (the abort removed the placeholder)
+                continue
+            seq.token_ids.pop()
+            yield seq, values[i]
