@@ -257,12 +257,7 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return []
-        touched: dict[str, Request] = {}
-        for seq, token in inflight.tokens():
-            request = self.requests[seq.request_id]
-            touched[request.request_id] = request
-            self._append_token(request, seq, token, None)
-        return self._outputs(touched)
+        return self._apply_tokens([(seq, token, None) for seq, token in inflight.tokens()])
 
     def _commit(self, batch: ScheduledBatch) -> None:
         """Record the KV the step computed, for the sequences still running."""
@@ -295,23 +290,23 @@ class LLMEngine:
                 request.pending_forks = []
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        keys = [self._key(s) for s in sampled]
-        histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids)
-                     if s.params.shapes_logits else ((), ()) for s in sampled]
-        matchers = [s.matcher for s in sampled]
-        token_ids, logprobs = sample(
-            logits, [s.params for s in sampled], keys, histories, self.eos_token_ids,
-            (lambda x: self._grammars().constrain(x, matchers))
-            if any(m is not None for m in matchers) else None)
+        token_ids, logprobs = sample(logits, [s.params for s in sampled],
+                                     [self._key(s) for s in sampled],
+                                     choose_from=self._shaped(logits, sampled))
+        return self._apply_tokens(list(zip(sampled, token_ids, logprobs, strict=True)))
 
+    def _apply_tokens(self, tokens: list[tuple[Sequence, int, TokenLogprob | None]]
+                      ) -> list[RequestOutput]:
+        """Append each sampled token to its sequence (grammars advanced in one batch, then stop
+        checks and text) and return the outputs of the requests that changed."""
+        constrained = [(seq.matcher, token) for seq, token, _ in tokens if seq.matcher is not None]
+        if constrained:
+            self._grammars().accept([m for m, _ in constrained], [t for _, t in constrained])
         touched: dict[str, Request] = {}
-        for seq, token_id, logprob in zip(sampled, token_ids, logprobs, strict=True):
+        for seq, token, logprob in tokens:
             request = self.requests[seq.request_id]
             touched[request.request_id] = request
-            self._append_token(request, seq, token_id, logprob)
-        return self._outputs(touched)
-
-    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+            self._append_token(request, seq, token, logprob)
         outputs = []
         for request in touched.values():
             finished = request.finished
@@ -327,8 +322,6 @@ class LLMEngine:
     def _append_token(self, request: Request, seq: Sequence, token_id: int,
                       logprob: TokenLogprob | None) -> None:
         seq.token_ids.append(token_id)
-        if seq.matcher is not None:
-            seq.matcher.accept_token(token_id)
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
             seq.cumulative_logprob += logprob.logprob

@@ -45,6 +45,8 @@ def sample(
     histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     eos_token_ids: Collection[int] = (),
     constrain: Callable[[torch.Tensor], None] | None = None,
+    *,
+    choose_from: torch.Tensor | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Draw one token per row of ``logits`` ``[num_rows, vocab]`` (any float dtype and device).
 
@@ -55,13 +57,14 @@ def sample(
     ``logit_bias``, ``min_tokens``; see :func:`shape_logits`) needs ``histories[i]`` = its
     (prompt ids, output ids so far); ``eos_token_ids`` are held back until ``min_tokens``.
     ``constrain`` (grammar masks) edits, last and in place, a float32 copy of the logits rows
-    choose from.
+    choose from. ``choose_from``: those logits, when the caller shaped them (:func:`shaped`).
     """
     num_rows = logits.shape[0]
     if not len(params) == len(keys) == num_rows:
         raise ValueError(f"{num_rows} logits rows but {len(params)} params and {len(keys)} keys")
-    shaped_logits = shaped(logits, params, histories, eos_token_ids, constrain)
-    return _with_logprobs(logits, draw(shaped_logits, params, keys), params)
+    if choose_from is None:
+        choose_from = shaped(logits, params, histories, eos_token_ids, constrain)
+    return _with_logprobs(logits, draw(choose_from, params, keys), params)
 
 
 def shaped(

@@ -89,6 +89,12 @@ class GrammarCompiler:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         indices=rows)
 
+    @staticmethod
+    def accept(matchers: Sequence[Any], tokens: Sequence[int]) -> None:
+        """Advance each matcher by its token, in one call (a sampled token is always one its
+        grammar allowed)."""
+        _xgrammar().BatchGrammarMatcher.batch_accept_token(list(matchers), list(tokens))
+
     @cache  # noqa: B019 - one compiler per engine; grammars live as long as it
     def _compile(self, spec: StructuredOutput) -> Any:
         xgr = _xgrammar()
