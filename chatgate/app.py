@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -33,7 +34,7 @@ from chatgate.metrics import Metrics
 from chatgate.middleware import RequestGuard
 from chatgate.replica import ReplicaHeader
 from chatgate.service import Gateway
-from chatgate.sessions import is_store_error, make_store
+from chatgate.sessions import SessionStore, is_store_error, make_store
 from chatgate.settings import Settings
 from chatgate.tenants import TenantRegistry
 from chatgate.ws import ws_endpoint
@@ -141,89 +142,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
                     "`openssl rand -hex 32` (with --tenants the gateway refuses to start)",
                     settings.server_secret)
     tenants = TenantRegistry.load(settings.tenants_file, settings.server_secret)
-
-    def on_engine_death(reason: str) -> None:
-        app.state.engine_failed = True
-        log.error("shutting down in %.0fs: %s", ENGINE_DEATH_EXIT_S, reason)
-        asyncio.get_running_loop().call_later(ENGINE_DEATH_EXIT_S, os.kill, os.getpid(),
-                                              signal.SIGTERM)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        store = make_store(settings.redis_url, settings.session_ttl, settings.redis_prefix)
-        try:  # fail fast, before the (slow) model load
-            await store.ping()
-        except Exception as e:
-            with contextlib.suppress(Exception):
-                await store.close()
-            raise RuntimeError(f"session store unreachable ({settings.redis_url}): {e}") from e
-        try:
-            eng = await start_engine(settings)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await store.close()
-            raise
-        eng.on_death.append(on_engine_death)
-        log.info("session store: %s%s", type(store).__name__,
-                 f" at {settings.redis_url}" if settings.redis_url else " (in-process)")
-        metrics = Metrics(settings.served_model_name or eng.model_name, settings.replica_id)
-        metrics.attach_engine(eng.stats)
-        gw = Gateway(settings, eng, tenants, store, metrics)
-        defaults = ", ".join(f"{k}={v}" for k, v in gw.sampling_defaults.items())
-        log.info("a request's unset sampling fields take %s (--generation-config %s)",
-                 f"the model's {defaults}" if defaults else "vLLM's defaults",
-                 settings.generation_config)
-        try:
-            await gw.warm_tenants()
-            gw.start_background()
-            app.state.metrics = metrics
-            app.state.gateway = gw
-            log.info("tenants: %s%s", ", ".join(tenants.tenants),
-                     " (open: no API key needed)" if tenants.open_mode else "")
-            log.info("chatgate ready: model %s", gw.model_name)
-            # What is alive now lives as long as the server (tokenizer, modules, app): keep
-            # it out of the collector's full passes, which would stall the event loop for
-            # 100+ ms (vLLM's API server does the same).
-            gc.collect()
-            gc.freeze()
-            yield
-        finally:
-            app.state.gateway = None
-            await gw.stop_background()
-            with contextlib.suppress(Exception):
-                await store.close()
-            await eng.shutdown()
-
-    routes: list[Any] = [
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
-        *openai_api.routes,
-        *completions_api.routes,
-        *sessions_api.routes,
-        WebSocketRoute("/v1/ws", ws_endpoint),
-    ]
-    ui = static_dir()
-    if ui is not None:
-        routes.append(Mount("/", app=StaticFiles(directory=str(ui), html=True), name="ui"))
-    else:
-        routes.append(Route("/", _index, methods=["GET"]))
-
-    middleware = [Middleware(RequestGuard, allowed_origins=settings.allowed_origins,
-                             max_bytes=settings.max_request_bytes,
-                             body_timeout=settings.body_timeout,
-                             send_timeout=settings.send_timeout)]
-    if settings.allowed_origins:
-        middleware.insert(0, Middleware(
-            CORSMiddleware, allow_origins=settings.allowed_origins,
-            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type", "X-Session-Id"],
-            expose_headers=["X-Chatgate-Replica"], max_age=600))
-    middleware.insert(0, Middleware(ReplicaHeader, replica_id=settings.replica_id))
-
     app = Starlette(
-        routes=routes,
-        middleware=middleware,
-        lifespan=lifespan,
+        routes=_routes(),
+        middleware=_middleware(settings),
+        lifespan=functools.partial(_lifespan, settings=settings, tenants=tenants),
         exception_handlers={
             APIError: api_error_handler,
             HTTPException: _http_exception,
@@ -237,3 +159,99 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app.state.metrics = None
     app.state.tenants = tenants
     return app
+
+
+def _routes() -> list[Any]:
+    routes: list[Any] = [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        *openai_api.routes,
+        *completions_api.routes,
+        *sessions_api.routes,
+        WebSocketRoute("/v1/ws", ws_endpoint),
+    ]
+    ui = static_dir()
+    if ui is not None:
+        routes.append(Mount("/", app=StaticFiles(directory=str(ui), html=True), name="ui"))
+    else:
+        routes.append(Route("/", _index, methods=["GET"]))
+    return routes
+
+
+def _middleware(settings: Settings) -> list[Middleware]:
+    """Outermost first: the replica header on every response, CORS when origins are allowed,
+    then the request guard (origins, body size and time, slow readers)."""
+    middleware = [Middleware(ReplicaHeader, replica_id=settings.replica_id)]
+    if settings.allowed_origins:
+        middleware.append(Middleware(
+            CORSMiddleware, allow_origins=settings.allowed_origins,
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Session-Id"],
+            expose_headers=["X-Chatgate-Replica"], max_age=600))
+    middleware.append(Middleware(RequestGuard, allowed_origins=settings.allowed_origins,
+                                 max_bytes=settings.max_request_bytes,
+                                 body_timeout=settings.body_timeout,
+                                 send_timeout=settings.send_timeout))
+    return middleware
+
+
+async def _open_store(settings: Settings) -> SessionStore:
+    """The session store, reachable (checked before the slow model load), else RuntimeError."""
+    store = make_store(settings.redis_url, settings.session_ttl, settings.redis_prefix)
+    try:
+        await store.ping()
+    except Exception as e:
+        with contextlib.suppress(Exception):
+            await store.close()
+        raise RuntimeError(f"session store unreachable ({settings.redis_url}): {e}") from e
+    return store
+
+
+def _on_engine_death(app: Starlette, reason: str) -> None:
+    app.state.engine_failed = True
+    log.error("shutting down in %.0fs: %s", ENGINE_DEATH_EXIT_S, reason)
+    asyncio.get_running_loop().call_later(ENGINE_DEATH_EXIT_S, os.kill, os.getpid(),
+                                          signal.SIGTERM)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: Starlette, settings: Settings,
+                    tenants: TenantRegistry) -> AsyncIterator[None]:
+    """Session store, engine process and gateway up before the first request; down after."""
+    store = await _open_store(settings)
+    try:
+        eng = await start_engine(settings)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await store.close()
+        raise
+    eng.on_death.append(functools.partial(_on_engine_death, app))
+    log.info("session store: %s%s", type(store).__name__,
+             f" at {settings.redis_url}" if settings.redis_url else " (in-process)")
+    metrics = Metrics(settings.served_model_name or eng.model_name, settings.replica_id)
+    metrics.attach_engine(eng.stats)
+    gw = Gateway(settings, eng, tenants, store, metrics)
+    defaults = ", ".join(f"{k}={v}" for k, v in gw.sampling_defaults.items())
+    log.info("a request's unset sampling fields take %s (--generation-config %s)",
+             f"the model's {defaults}" if defaults else "vLLM's defaults",
+             settings.generation_config)
+    try:
+        await gw.warm_tenants()
+        gw.start_background()
+        app.state.metrics = metrics
+        app.state.gateway = gw
+        log.info("tenants: %s%s", ", ".join(tenants.tenants),
+                 " (open: no API key needed)" if tenants.open_mode else "")
+        log.info("chatgate ready: model %s", gw.model_name)
+        # What is alive now lives as long as the server (tokenizer, modules, app): keep it out
+        # of the collector's full passes, which would stall the event loop for 100+ ms (vLLM's
+        # API server does the same).
+        gc.collect()
+        gc.freeze()
+        yield
+    finally:
+        app.state.gateway = None
+        await gw.stop_background()
+        with contextlib.suppress(Exception):
+            await store.close()
+        await eng.shutdown()

@@ -26,10 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Launch configurations (block sizes, warps, stages), keyed by "16-bit" / "32-bit" queries and
-# "8" for 16-bit queries over an FP8 cache.
-# benchmarks/attention_kernels.py sweeps alternatives on the GPU; correctness does not
-# depend on them.
+# Launch configurations keyed by "16"/"32"-bit queries and "8" for 16-bit queries over an FP8
+# cache (benchmarks/attention_kernels.py sweeps alternatives; correctness does not depend on them)
 DECODE_CONFIG: dict[str, dict[str, int]] = {
     "8": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3},
     "16": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
@@ -294,10 +292,8 @@ def paged_attention(
     have ``query``'s shape and dtype; ``num_splits`` overrides the decode split heuristic.
     Every tensor needs a contiguous last dimension; ``key_cache``/``value_cache`` share strides.
     """
-    num_tokens = query.shape[0]
-    if out is None:
-        out = torch.empty_like(query)
-    if num_tokens == 0 or seq_lens.shape[0] == 0:
+    out = torch.empty_like(query) if out is None else out
+    if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
     call = _Call.of(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
                     scale, k_scale, v_scale)
@@ -372,20 +368,17 @@ def _decode(call: _Call, splits: int, max_seq_len: int) -> None:
     # programs fit on a multiprocessor (short contexts split many ways).
     stages = 1 if -(-max_seq_len // splits) <= block_n else cfg["num_stages"]
     out = call.out
-    if splits == 1:
-        mid_o = mid_lse = out  # unused
-        mid_strides = (0, 0, 0)
-    else:
+    mid_o, mid_lse, mid_strides = out, out, (0, 0, 0)  # unused with one split
+    if splits > 1:
         mid_o = torch.empty(call.num_seqs, call.num_heads, splits, call.head_dim,
                             dtype=torch.float32, device=out.device)
         mid_lse = torch.empty(call.num_seqs, call.num_heads, splits, dtype=torch.float32,
                               device=out.device)
         mid_strides = (call.num_heads * splits, splits, 1)  # in rows of head_dim / lse entries
-    group = call.constexprs["GROUP"]
     _decode_kernel[(call.num_seqs, call.num_kv_heads, splits)](
         *call.tensors, out, mid_o, mid_lse, call.qk_scale, call.v_scale, splits,
         *call.strides, *mid_strides,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        GROUP_PAD=max(16, triton.next_power_of_2(call.constexprs["GROUP"])), BLOCK_N=block_n,
         DIRECT=splits == 1, num_warps=cfg["num_warps"], num_stages=stages, **call.constexprs,
     )
     if splits > 1:
