@@ -203,7 +203,7 @@ def multi_turn(llms: dict, convs: int, turns: int, max_tokens: int, log: Tee) ->
     for name, llm in llms.items():
         if name == "sessions":
             for c in range(convs):
-                llm.release_session(f"conv-{c}")
+                llm.unpin_session(f"conv-{c}")
     return res
 
 

@@ -125,12 +125,12 @@ class Gateway:
 
     # ----------------------------------------------------------------- sessions
     async def unpin_session(self, engine_session_id: str) -> bool:
-        """Release the engine's pinned blocks of a session; False if it had none."""
+        """Unpin the engine's blocks of a session; False if it had none pinned."""
         self._last_used.pop(engine_session_id, None)
         try:
-            return await self.engine.release_session(engine_session_id)
+            return await self.engine.unpin_session(engine_session_id)
         except Exception:  # noqa: BLE001 - a missing pin or a gone engine is no error here
-            log.debug("release_session(%s) failed", engine_session_id, exc_info=True)
+            log.debug("unpin_session(%s) failed", engine_session_id, exc_info=True)
             return False
 
     def start_background(self) -> None:

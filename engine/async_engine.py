@@ -38,9 +38,9 @@ from engine.ipc import (
     AddRequest,
     EngineReady,
     EngineStartupFailed,
-    ReleaseSession,
     Shutdown,
     StepOutputs,
+    UnpinSession,
     client_decoder,
 )
 from engine.loader import load_tokenizer
@@ -289,14 +289,14 @@ class AsyncEngine:
             if not finished and self.dead is None and not self._stopping:
                 self._send(AbortRequests([request_id]))
 
-    async def release_session(self, session_id: str) -> bool:
+    async def unpin_session(self, session_id: str) -> bool:
         """Unpin the session's blocks; False if it had none pinned."""
         self._check_alive()
         self._pin_texts.forget(session_id)
         call_id = next(self._call_ids)
         call = self._calls[call_id] = asyncio.get_running_loop().create_future()
         try:
-            self._send(ReleaseSession(call_id, session_id))
+            self._send(UnpinSession(call_id, session_id))
             return await call
         finally:
             del self._calls[call_id]
@@ -305,7 +305,7 @@ class AsyncEngine:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
 
-    def _send(self, message: AddRequest | AbortRequests | ReleaseSession | Shutdown) -> None:
+    def _send(self, message: AddRequest | AbortRequests | UnpinSession | Shutdown) -> None:
         self._to_engine.send(self._encoder.encode(message), zmq.NOBLOCK, copy=False)
 
     async def _read_outputs(self) -> None:
@@ -331,9 +331,9 @@ class AsyncEngine:
             if stream is not None:
                 stream.fail(ValueError(failed.error) if failed.invalid
                             else EngineStepError(failed.error))
-        for released in message.released:
-            call = self._calls.get(released.call_id)
+        for unpinned in message.unpinned:
+            call = self._calls.get(unpinned.call_id)
             if call is not None and not call.done():
-                call.set_result(released.released)
+                call.set_result(unpinned.unpinned)
         if message.stats is not None:
             self._stats = message.stats

@@ -29,11 +29,11 @@ from engine.ipc import (
     AddRequest,
     EngineReady,
     EngineStartupFailed,
-    ReleaseSession,
     RequestFailed,
-    SessionReleased,
+    SessionUnpinned,
     Shutdown,
     StepOutputs,
+    UnpinSession,
     engine_decoder,
 )
 from engine.llm_engine import LLMEngine
@@ -83,7 +83,7 @@ class EngineCore:
                 return
             self._handle(self._decoder.decode(data.buffer))
 
-    def _handle(self, message: AddRequest | AbortRequests | ReleaseSession | Shutdown) -> None:
+    def _handle(self, message: AddRequest | AbortRequests | UnpinSession | Shutdown) -> None:
         match message:
             case AddRequest():
                 try:
@@ -96,9 +96,9 @@ class EngineCore:
             case AbortRequests():
                 for request_id in message.request_ids:
                     self.engine.abort(request_id)
-            case ReleaseSession():
-                released = self.engine.release_session(message.session_id)
-                self._pending.released.append(SessionReleased(message.call_id, released))
+            case UnpinSession():
+                unpinned = self.engine.unpin_session(message.session_id)
+                self._pending.unpinned.append(SessionUnpinned(message.call_id, unpinned))
             case Shutdown():
                 self._stopping = True
         self._changed = True
@@ -137,7 +137,7 @@ class EngineCore:
             pending.stats = self.engine.stats()
             self._stats_at = now
             self._changed = False
-        if (pending.outputs or pending.failed or pending.pin_changes or pending.released
+        if (pending.outputs or pending.failed or pending.pin_changes or pending.unpinned
                 or pending.stats is not None):
             self.outbox.send(self._encoder.encode(pending), copy=False)
             self._pending = StepOutputs()

@@ -1,12 +1,12 @@
 """The messages between the engine process (``engine.core``) and its client
 (``engine.async_engine``), as msgspec structs sent as msgpack over two ZeroMQ sockets.
 
-Client → engine (one PUSH/PULL pipe): ``AddRequest``, ``AbortRequests``, ``ReleaseSession``,
+Client → engine (one PUSH/PULL pipe): ``AddRequest``, ``AbortRequests``, ``UnpinSession``,
 ``Shutdown``.
 
 Engine → client (another): first ``EngineReady`` or ``EngineStartupFailed``; then one
 ``StepOutputs`` per engine step that produced anything (every request's delta outputs of that
-step, the requests it refused, session pin changes, answers to ``ReleaseSession``, and a stats
+step, the requests it refused, session pin changes, answers to ``UnpinSession``, and a stats
 snapshot while busy at most every ``STATS_INTERVAL_S`` and whenever it goes idle).
 """
 
@@ -30,7 +30,7 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
-class ReleaseSession(msgspec.Struct, tag=True, array_like=True):
+class UnpinSession(msgspec.Struct, tag=True, array_like=True):
     call_id: int
     session_id: str
 
@@ -39,7 +39,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ClientMessage = AddRequest | AbortRequests | ReleaseSession | Shutdown
+ClientMessage = AddRequest | AbortRequests | UnpinSession | Shutdown
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):
@@ -59,16 +59,16 @@ class RequestFailed(msgspec.Struct, array_like=True):
     invalid: bool  # the request itself was at fault (HTTP 400), not the engine
 
 
-class SessionReleased(msgspec.Struct, array_like=True):
+class SessionUnpinned(msgspec.Struct, array_like=True):
     call_id: int
-    released: bool
+    unpinned: bool
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     outputs: list[RequestOutput] = []
     failed: list[RequestFailed] = []
     pin_changes: dict[str, list[int] | None] = {}  # session id → pinned token ids, or None
-    released: list[SessionReleased] = []
+    unpinned: list[SessionUnpinned] = []
     stats: EngineStats | None = None
 
 

@@ -104,7 +104,7 @@ class KVCacheManager:
         if pinned is None:
             return best
         if pinned.cache_salt != seq.cache_salt:
-            self._pins.release(pinned.session_id)
+            self._pins.unpin(pinned.session_id)
             return best
         lcp = _common_prefix(seq.token_ids, pinned.token_ids, seq.num_tokens - 1)
         if lcp <= best.num_tokens:
@@ -206,13 +206,13 @@ class KVCacheManager:
     def pin_budget_blocks(self) -> int:
         return self._pins.budget_blocks
 
-    def release_pin(self, session_id: str) -> bool:
+    def unpin(self, session_id: str) -> bool:
         """Unpin a session (its full blocks stay in the prefix cache); False if not pinned."""
-        return self._pins.release(session_id)
+        return self._pins.unpin(session_id)
 
-    def release_lru_pin(self, keep: str | None = None) -> bool:
+    def unpin_lru(self, keep: str | None = None) -> bool:
         """Unpin the least recently used session other than ``keep``; False if none."""
-        return self._pins.release_lru(keep)
+        return self._pins.unpin_lru(keep)
 
     def take_pin_changes(self) -> dict[str, list[int] | None]:
         """Sessions pinned (their token ids) or unpinned (None) since the last call."""

@@ -80,8 +80,8 @@ class LLM:
         return self._run([(None, ids, p) for ids, p in zip(prompts, params_list, strict=True)],
                          session_id, cache_salt, use_tqdm)
 
-    def release_session(self, session_id: str) -> bool:
-        return self.engine.release_session(session_id)
+    def unpin_session(self, session_id: str) -> bool:
+        return self.engine.unpin_session(session_id)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -161,8 +161,8 @@ class LLMEngine:
             return request.final_output()
         return request.delta_output(finished=True)
 
-    def release_session(self, session_id: str) -> bool:
-        return self.kv.release_pin(session_id)
+    def unpin_session(self, session_id: str) -> bool:
+        return self.kv.unpin(session_id)
 
     def take_pin_changes(self) -> dict[str, list[int] | None]:
         """Sessions pinned (their token ids) or unpinned (None) since the last call; empty

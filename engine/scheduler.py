@@ -53,7 +53,7 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.grow(seq, num_new):
-                if self.kv.release_lru_pin():
+                if self.kv.unpin_lru():
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -73,8 +73,8 @@ class Scheduler:
             seq = self.waiting[0]
             num_new = self.kv.admit(seq, budget)
             while num_new == 0:
-                if not (self.kv.release_lru_pin(keep=seq.session_id)
-                        or (not self.running and self.kv.release_lru_pin())):
+                if not (self.kv.unpin_lru(keep=seq.session_id)
+                        or (not self.running and self.kv.unpin_lru())):
                     break
                 num_new = self.kv.admit(seq, budget)
             if num_new == 0:

@@ -41,13 +41,13 @@ class SessionPins:
     def pin(self, pinned: PinnedSession) -> None:
         """Keep ``pinned``; the caller hands over one reference per block. Replaces an older pin
         of the same session and then trims to the budget, least recently used first."""
-        self.release(pinned.session_id)
+        self.unpin(pinned.session_id)
         self.pins[pinned.session_id] = pinned
         self._pin_counts.update(pinned.block_ids)
         if self._changes is not None:
             self._changes[pinned.session_id] = pinned.token_ids
         while self.num_pinned_blocks > self.budget_blocks and self.pins:
-            self.release_lru()
+            self.unpin_lru()
 
     def take(self, session_id: str) -> PinnedSession | None:
         """Remove the pin and hand its references to the caller (nothing is freed)."""
@@ -66,18 +66,18 @@ class SessionPins:
         changes, self._changes = self._changes, {}
         return changes
 
-    def release(self, session_id: str) -> bool:
+    def unpin(self, session_id: str) -> bool:
         pinned = self.take(session_id)
         if pinned is None:
             return False
         self.pool.free(self.pool.blocks[b] for b in reversed(pinned.block_ids))
         return True
 
-    def release_lru(self, keep: str | None = None) -> bool:
-        """Release the least recently used pin other than ``keep``; False if there is none."""
+    def unpin_lru(self, keep: str | None = None) -> bool:
+        """Unpin the least recently used session other than ``keep``; False if there is none."""
         for session_id in self.pins:
             if session_id != keep:
-                return self.release(session_id)
+                return self.unpin(session_id)
         return False
 
     def _forget(self, pinned: PinnedSession) -> None:

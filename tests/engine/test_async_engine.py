@@ -139,8 +139,8 @@ async def test_session_turns_continue_the_pinned_tokens(engine: AsyncEngine) -> 
     _, _, outputs = await _collect(engine, second, params, "turn-2", session_id="fruit")
     # the first turn's prompt and answer (but its last token, which has no KV yet) are reused
     assert outputs[0].num_cached_tokens >= len(prompt) + 1
-    assert await engine.release_session("fruit") is True
-    assert await engine.release_session("fruit") is False
+    assert await engine.unpin_session("fruit") is True
+    assert await engine.unpin_session("fruit") is False
 
 
 async def test_invalid_input_raises_before_queueing(engine: AsyncEngine) -> None:

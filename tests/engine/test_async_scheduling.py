@@ -110,5 +110,5 @@ def test_session_pins_and_reuse_are_those_of_synchronous_steps(engines) -> None:
         new_tokens = engine.num_prefill_tokens - computed
         assert out2.num_cached_tokens == len(second) - new_tokens
         pins[mode] = (pinned.token_ids, out2.outputs[0].token_ids, new_tokens)
-        llm.release_session(f"s-{mode}")
+        llm.unpin_session(f"s-{mode}")
     assert pins[True] == pins[False]

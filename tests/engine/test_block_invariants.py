@@ -110,12 +110,12 @@ class BlockMachine(RuleBasedStateMachine):
         self.live.remove(seq)
 
     @rule(session=st.sampled_from(SESSIONS))
-    def release_session(self, session: str) -> None:
-        self.kv.release_pin(session)
+    def unpin_session(self, session: str) -> None:
+        self.kv.unpin(session)
 
     @rule()
     def evict_lru_pin(self) -> None:
-        self.kv.release_lru_pin()
+        self.kv.unpin_lru()
 
     # (the engine preempts only while scheduling, and resolves placeholders right after)
     @precondition(lambda self: bool(self.scheduler.running)
@@ -192,7 +192,7 @@ class BlockMachine(RuleBasedStateMachine):
         for seq in list(self.live):
             self._finish(seq)
         for session in SESSIONS:
-            self.kv.release_pin(session)
+            self.kv.unpin(session)
         assert self.kv.pool.num_free == NUM_BLOCKS
         assert all(block.ref_cnt == 0 for block in self.kv.pool.blocks)
 

@@ -100,7 +100,7 @@ def test_three_turn_session_computes_only_new_tokens(llm: LLM) -> None:
 
     stats = llm.stats()
     assert stats.num_pinned_sessions == 1
-    assert llm.release_session("fruit")
+    assert llm.unpin_session("fruit")
     stats = llm.stats()
     assert stats.num_pinned_sessions == 0
     assert stats.num_blocks_used == 0
@@ -116,7 +116,7 @@ def test_edit_mid_block_copies_instead_of_overwriting(llm: LLM) -> None:
     # the first prompt, replayed without the session, still hits and still gives its answer
     replay = llm.chat(base, GREEDY)[0]
     assert replay.outputs[0].token_ids == first.outputs[0].token_ids
-    llm.release_session("edit")
+    llm.unpin_session("edit")
 
 
 def test_pins_beyond_budget_are_unpinned_lru_first() -> None:
@@ -155,6 +155,6 @@ def test_release_returns_every_block(session: str | None) -> None:
     llm.chat([{"role": "user", "content": "Count to five."}], GREEDY, session_id=session)
     if session is not None:
         assert llm.stats().num_blocks_used > 0
-        assert llm.release_session(session)
+        assert llm.unpin_session(session)
     assert llm.stats().num_blocks_used == 0
     assert llm.stats().num_blocks_free == 128
