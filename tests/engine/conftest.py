@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.loader import build_hf_model, load_model
 
 MAX_NEW_TOKENS = 64
@@ -74,3 +74,23 @@ def hf_greedy(smollm2, prompt_ids) -> list[list[int]]:
 def llm() -> LLM:
     """One default engine per test module (the weight cache makes loading quick)."""
     return LLM("smollm2")
+
+
+FORCED_CHATS = ("What is the capital of France?", "Write a haiku about the sea.",
+                "Explain what a hash map is.", "List three prime numbers.")
+
+
+def teacher_forced_agreement(candidate: LLM, num_tokens: int = 16) -> float:
+    """The share of positions where ``candidate``'s greedy token, fed the exact engine's greedy
+    path (float32, float32 KV cache) so far, is the exact engine's token: ``FORCED_CHATS``,
+    ``num_tokens`` tokens each."""
+    exact = LLM("smollm2", max_model_len=512, num_kv_blocks=256)
+    prompts = [exact.engine.render_chat([{"role": "user", "content": c}]) for c in FORCED_CHATS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=num_tokens)
+    reference = [o.outputs[0].token_ids for o in exact.generate(prompts, greedy)]
+    del exact
+    forced = [p + r[:t] for p, r in zip(prompts, reference, strict=True) for t in range(len(r))]
+    outs = candidate.generate(forced, SamplingParams(temperature=0.0, max_tokens=1))
+    chosen = [o.outputs[0].token_ids[0] for o in outs]
+    expected = [token for r in reference for token in r]
+    return sum(a == b for a, b in zip(chosen, expected, strict=True)) / len(expected)

@@ -6,6 +6,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from tests.engine.conftest import teacher_forced_agreement
 
 KV_BYTES = 32 << 20
 
@@ -34,18 +35,7 @@ def test_unknown_kv_cache_dtype_is_refused() -> None:
 
 def test_fp8_engine_picks_the_exact_caches_greedy_token_at_nearly_every_position(
         fp8: LLM) -> None:
-    chats = [[{"role": "user", "content": text}] for text in
-             ("What is the capital of France?", "Write a haiku about the sea.",
-              "Explain what a hash map is.", "List three prime numbers.")]
-    exact = LLM("smollm2", max_model_len=512, num_kv_blocks=256)
-    prompts = [exact.engine.render_chat(c) for c in chats]
-    greedy = SamplingParams(temperature=0.0, max_tokens=16)
-    reference = [o.outputs[0].token_ids for o in exact.generate(prompts, greedy)]
-    forced = [p + r[:t] for p, r in zip(prompts, reference, strict=True) for t in range(len(r))]
-    outs = fp8.generate(forced, SamplingParams(temperature=0.0, max_tokens=1))
-    chosen = [o.outputs[0].token_ids[0] for o in outs]
-    expected = [token for r in reference for token in r]
-    agreement = sum(a == b for a, b in zip(chosen, expected, strict=True)) / len(expected)
+    agreement = teacher_forced_agreement(fp8)
     assert agreement >= 0.9, agreement
 
 

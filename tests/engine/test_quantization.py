@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.quantization import Int8Linear, check_quantization
+from tests.engine.conftest import teacher_forced_agreement
 
 
 def test_int8_linear_matches_its_dequantized_weight_and_keeps_the_input_dtype() -> None:
@@ -32,19 +33,6 @@ def test_unknown_or_gpu_quantization_is_refused() -> None:
 
 
 def test_int8_engine_picks_float32s_greedy_token_at_nearly_every_forced_position() -> None:
-    chats = [[{"role": "user", "content": text}] for text in
-             ("What is the capital of France?", "Write a haiku about the sea.",
-              "Explain what a hash map is.", "List three prime numbers.")]
-    exact = LLM("smollm2", max_model_len=512, num_kv_blocks=256)
-    prompts = [exact.engine.render_chat(c) for c in chats]
-    greedy = SamplingParams(temperature=0.0, max_tokens=16)
-    reference = [o.outputs[0].token_ids for o in exact.generate(prompts, greedy)]
-    del exact
-
     quantized = LLM("smollm2", max_model_len=512, num_kv_blocks=256, quantization="int8")
-    forced = [p + r[:t] for p, r in zip(prompts, reference, strict=True) for t in range(len(r))]
-    outs = quantized.generate(forced, SamplingParams(temperature=0.0, max_tokens=1))
-    chosen = [o.outputs[0].token_ids[0] for o in outs]
-    expected = [token for r in reference for token in r]
-    agreement = sum(a == b for a, b in zip(chosen, expected, strict=True)) / len(expected)
+    agreement = teacher_forced_agreement(quantized)
     assert agreement >= 0.9, agreement
