@@ -179,16 +179,17 @@ class LLMEngine:
         produced tokens (unless it is ``final_only``) or finished; with overlapped scheduling,
         the outputs are those of the step before (see the module docstring)."""
         batch = self.scheduler.schedule()
-        sampled = self._sampled_seqs(batch)
+        sample_indices = self._sample_indices(batch)
+        sampled = [batch.seqs[i] for i in sample_indices]
         overlap = (self.async_scheduling and bool(batch.seqs)
                    and all(self._overlappable(seq) for seq in sampled))
         outputs: list[RequestOutput] = []
         if not overlap and self._inflight is not None:
             outputs = self._resolve_inflight()
             batch = self._without_finished(batch)
+            sample_indices = self._sample_indices(batch)
         if not batch.seqs:
             return outputs + self._resolve_inflight()
-        sample_indices = self._sample_indices(batch)
         logits = self.runner.execute(
             batch, sample_indices,
             self._inflight.feed(batch.seqs) if self._inflight is not None else None)
@@ -216,9 +217,6 @@ class LLMEngine:
                                                    strict=True))
                 if seq.num_computed_tokens + n == seq.num_tokens]
 
-    def _sampled_seqs(self, batch: ScheduledBatch) -> list[Sequence]:
-        return [batch.seqs[i] for i in self._sample_indices(batch)]
-
     def _overlappable(self, seq: Sequence) -> bool:
         """Whether ``seq``'s next token can be sampled without reading it at once (logprobs
         and the first token of n > 1, which forks, need it on the host)."""
@@ -228,16 +226,15 @@ class LLMEngine:
     def _shaped(self, logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor:
         """The logits ``sampled`` choose from (penalties, grammars); a row a resolved token
         finished is left as it is (its token is discarded)."""
-        live = [not seq.is_finished for seq in sampled]
-        matchers = [seq.matcher if ok else None for seq, ok in zip(sampled, live, strict=True)]
+        matchers = [None if seq.is_finished else seq.matcher for seq in sampled]
+        constrained = any(m is not None for m in matchers)
         params = [seq.params for seq in sampled]
-        if not any(m is not None for m in matchers) and not any(p.shapes_logits for p in params):
+        if not constrained and not any(p.shapes_logits for p in params):
             return logits
         histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids)
                      if s.params.shapes_logits else ((), ()) for s in sampled]
         return shaped(logits, params, histories, self.eos_token_ids,
-                      (lambda x: self._grammars().constrain(x, matchers))
-                      if any(m is not None for m in matchers) else None)
+                      (lambda x: self._grammars().constrain(x, matchers)) if constrained else None)
 
     @staticmethod
     def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:

@@ -123,21 +123,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        first_block = np.cumsum([0] + per_seq[:-1])
-        tables = np.zeros((len(lens), max(per_seq)), dtype=np.int32)
-        slots, positions = [], []
-        for i, n in enumerate(lens):
-            tables[i, :per_seq[i]] = np.arange(per_seq[i]) + first_block[i]
-            slots.append(np.arange(n) + first_block[i] * self.block_size)
-            positions.append(np.arange(n))
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(np.concatenate(slots)),
-            block_tables=self._to_device(tables),
-            seq_lens=self._to_device(np.asarray(lens, dtype=np.int32)),
-            query_start_loc=self._to_device(np.cumsum([0] + lens).astype(np.int32)),
-            max_query_len=max(lens), max_seq_len=max(lens),
-        )
-        position_ids = self._to_device(np.concatenate(positions))
+        meta, position_ids = self._prefill_batch(lens)
         with torch.inference_mode():
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             hidden = m.forward(ids, position_ids, meta, scratch)
@@ -155,28 +141,38 @@ class ModelRunner:
                     config.gpu_memory_utilization)
         return budget
 
+    def _prefill_batch(self, lens: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Kernel inputs and positions of sequences of ``lens`` tokens prefilled from scratch
+        into consecutive blocks from block 0 (the start-up forward passes)."""
+        bs = self.block_size
+        per_seq = [-(-n // bs) for n in lens]
+        first_block = np.cumsum([0] + per_seq[:-1])
+        tables = np.zeros((len(lens), max(per_seq)), dtype=np.int32)
+        for i, blocks in enumerate(per_seq):
+            tables[i, :blocks] = np.arange(blocks) + first_block[i]
+        positions = np.concatenate([np.arange(n) for n in lens])
+        block_tables = self._to_device(tables)
+        seq_lens = self._to_device(np.asarray(lens, dtype=np.int32))
+        query_start_loc = self._to_device(np.cumsum([0] + lens).astype(np.int32))
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(np.repeat(first_block * bs, lens) + positions),
+            block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+            max_query_len=max(lens), max_seq_len=max(lens),
+            plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc, bs),
+        )
+        return meta, self._to_device(positions)
+
     @torch.inference_mode()
     def _calibrate_kv_scales(self) -> list[tuple[float, float]]:
         """Each layer's FP8 ``(k_scale, v_scale)`` from one forward pass (module docstring)."""
         m = self.model
         n = min(CALIBRATION_TOKENS, self.max_model_len)
-        blocks = -(-n // self.block_size)
-        scratch = torch.zeros(self._cache_shape(blocks), dtype=m.dtype, device=self.device)
+        scratch = torch.zeros(self._cache_shape(-(-n // self.block_size)), dtype=m.dtype,
+                              device=self.device)
         vocab = m.vocab_limit or m.embed.shape[0]
         ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
-        tables = torch.arange(blocks, dtype=torch.int32)[None, :]
-        seq_lens = torch.tensor([n], dtype=torch.int32)
-        query_start = torch.tensor([0, n], dtype=torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(np.arange(n)),
-            block_tables=self._to_device(tables.numpy()),
-            seq_lens=self._to_device(seq_lens.numpy()),
-            query_start_loc=self._to_device(query_start.numpy()),
-            max_query_len=n, max_seq_len=n,
-            plan=kernels.attention_plan(tables, seq_lens, query_start, self.block_size)
-            if self.device.type == "cpu" else None,
-        )
-        m.forward(ids.to(self.device), self._to_device(np.arange(n)), meta, scratch)
+        meta, positions = self._prefill_batch([n])
+        m.forward(ids.to(self.device), positions, meta, scratch)
         amax = scratch.abs().amax(dim=(2, 3, 4, 5)).float()  # [2, num_layers]
         scales = (amax * FP8_HEADROOM / kernels.reference.FP8_MAX).clamp_min(1e-6).tolist()
         logger.info("FP8 KV scales: k %.3g..%.3g, v %.3g..%.3g", min(scales[0]), max(scales[0]),
