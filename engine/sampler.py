@@ -88,7 +88,6 @@ def shaped(
     return logits
 
 
-
 def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
          keys: Sequence[int | None]) -> torch.Tensor:
     """The token of each row of ``logits`` as a tensor on their device, without waiting for

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -268,8 +269,15 @@ def test_each_request_gets_one_access_log_line_with_its_tokens(client, server):
     httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEYS['alice']}"})
     r = client.chat.completions.create(model=MODEL, messages=msgs("Say hi."), temperature=0,
                                        max_tokens=3)
-    log = server.log()
-    assert "GET /v1/models 200 " in log
-    line = [ln for ln in log.splitlines() if "POST /v1/chat/completions 200 " in ln][-1]
-    assert line.endswith(f"prompt={r.usage.prompt_tokens} cached="
-                         f"{r.usage.prompt_tokens_details.cached_tokens} completion=3")
+    expected = (f"prompt={r.usage.prompt_tokens} cached="
+                f"{r.usage.prompt_tokens_details.cached_tokens} completion=3")
+
+    def lines() -> list[str]:
+        return [ln for ln in server.log().splitlines()
+                if "POST /v1/chat/completions 200 " in ln and ln.endswith(expected)]
+
+    deadline = time.monotonic() + 10  # the line is written once the response has gone out
+    while not lines() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "GET /v1/models 200 " in server.log()
+    assert lines()
