@@ -5,13 +5,15 @@ Invariants:
   (running sequences and pinned sessions);
 - ``cached[h] is b`` implies ``b.block_hash == h``; a freed block keeps its hash (a later
   prefix hit may revive it) and loses it only when it is handed out again;
-- ``num_free + num_used == num_blocks``.
+- ``num_free + num_used == num_blocks``;
+- ``on_evictable`` (when set) is called once each time a hashed block's ref count drops to 0,
+  before anything can hand it out again (the host KV tier stages its copy there).
 """
 
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -42,6 +44,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, Block] = {}
+        self.on_evictable: Callable[[Block], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -89,6 +92,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = None
+                if block.block_hash is not None and self.on_evictable is not None:
+                    self.on_evictable(block)
 
     def cache(self, block: Block, block_hash: bytes) -> None:
         """Publish a full block under its hash; a duplicate of an already cached block stays

@@ -51,6 +51,9 @@ class EngineConfig:
     max_num_batched_tokens: int = _flag(2048, "tokens per step at most (chunked prefill)")
     max_model_len: int | None = _flag(None, "context length (default: the model's)")
     enable_prefix_caching: bool = _flag(True, "share KV blocks of equal prefixes")
+    kv_offloading_size: float = _flag(0.0, "GiB of host memory for a second KV tier: blocks "
+                                            "leaving the device pool are copied there and come "
+                                            "back by copy instead of recompute (0 = off)")
     pin_budget_fraction: float = 0.5  # of the pool that pinned sessions may hold
     seed: int = _flag(0, "seed of the weights of dummy models and of unseeded sampling")
     use_weight_cache: bool = True  # converted GGUF weights cached on disk
@@ -96,6 +99,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size must be >= 0, got {self.kv_offloading_size}")
         if not 0.0 <= self.pin_budget_fraction <= 1.0:
             raise ValueError(
                 f"pin_budget_fraction must be in [0, 1], got {self.pin_budget_fraction}"

@@ -4,11 +4,18 @@ growth, copy-on-write and release.
 A sequence may write into a block in place only when it is the block's sole holder and the block
 is not published in the prefix cache; otherwise the block is copied first (the copy is queued
 for the model runner, which takes it with ``take_pending_copies`` before the next forward pass).
+
+With a host tier (``host_blocks > 0``, prefix caching on) a hashed block whose last holder lets
+go is staged for a copy to host memory (``engine.host_kv_tier``), and a prefix lookup continues
+past the device's last hit into the host tier: each host hit gets a fresh device block,
+published under its hash at once, and a host → device copy that the model runner performs
+before the forward that reads it (``take_transfers``). Host hits count as cached tokens.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_pool import Block, BlockPool, hash_block
+from engine.host_kv_tier import HostKVTier
 from engine.sequence import Sequence
 from engine.session_pins import PinnedSession, SessionPins
 
@@ -31,6 +38,7 @@ class _PrefixMatch:
     num_tokens: int
     blocks: list[Block]
     pinned: PinnedSession | None
+    host_hits: list[bytes] = field(default_factory=list)  # hashes after ``blocks``, on the host
 
 
 class KVCacheManager:
@@ -41,6 +49,7 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         pin_budget_blocks: int,
         track_pin_changes: bool = False,
+        host_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -49,6 +58,13 @@ class KVCacheManager:
         self._pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.host_hits = 0  # prompt tokens served from the host tier (part of prefix_hits)
+        self.host: HostKVTier | None = None
+        self._offloads: list[tuple[int, int]] = []  # (device block, host slot)
+        self._reloads: list[tuple[int, int]] = []  # (host slot, device block)
+        if host_blocks > 0 and enable_prefix_caching:
+            self.host = HostKVTier(host_blocks)
+            self.pool.on_evictable = self._stage_offload
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -80,11 +96,14 @@ class KVCacheManager:
         else:
             self.pool.touch(match.blocks)
         seq.block_table = [b.block_id for b in match.blocks]
+        if match.host_hits:
+            seq.block_table += self._reload(match.host_hits)
         seq.num_computed_tokens = match.num_tokens
         if seq.num_output_tokens == 0:
             seq.num_cached_tokens = match.num_tokens
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += match.num_tokens
+            self.host_hits += len(match.host_hits) * self.block_size
         grown = self.grow(seq, num_new)
         assert grown
         return num_new
@@ -93,13 +112,19 @@ class KVCacheManager:
         """The longest reusable prefix: hashed full blocks, or the session's pinned tokens
         (which also reuse the partial last block and tokens the model generated)."""
         blocks: list[Block] = []
+        host_hits: list[bytes] = []
         if self.enable_prefix_caching:
             for i in range((seq.num_tokens - 1) // self.block_size):
-                block = self.pool.lookup(self._block_hash(seq, i))
-                if block is None:
+                block_hash = self._block_hash(seq, i)
+                block = None if host_hits else self.pool.lookup(block_hash)
+                if block is not None:
+                    blocks.append(block)
+                elif self.host is not None and self.host.lookup(block_hash) is not None:
+                    host_hits.append(block_hash)
+                else:
                     break
-                blocks.append(block)
-        best = _PrefixMatch(len(blocks) * self.block_size, blocks, None)
+        best = _PrefixMatch((len(blocks) + len(host_hits)) * self.block_size, blocks, None,
+                            host_hits)
         pinned = self._pins.get(seq.session_id) if seq.session_id is not None else None
         if pinned is None:
             return best
@@ -111,6 +136,23 @@ class KVCacheManager:
             return best
         kept = pinned.block_ids[: _cdiv(lcp, self.block_size)]
         return _PrefixMatch(lcp, [self.pool.blocks[b] for b in kept], pinned)
+
+    def _reload(self, host_hits: list[bytes]) -> list[int]:
+        """Fresh device blocks for host hits, published under their hashes; their copies back
+        are queued (the caller has checked that enough blocks are free)."""
+        assert self.host is not None
+        blocks = self.pool.allocate(len(host_hits))
+        for block, block_hash in zip(blocks, host_hits, strict=True):
+            self._reloads.append((self.host.load(block_hash), block.block_id))
+            self.pool.cache(block, block_hash)
+        return [b.block_id for b in blocks]
+
+    def _stage_offload(self, block: Block) -> None:
+        """The pool's ``on_evictable``: queue the block's copy to a host slot (once per hash)."""
+        assert self.host is not None and block.block_hash is not None
+        slot = self.host.stage(block.block_hash)
+        if slot is not None:
+            self._offloads.append((block.block_id, slot))
 
     # -- growth ------------------------------------------------------------------------------
 
@@ -222,6 +264,21 @@ class KVCacheManager:
         """``(src, dst)`` block copies the model runner must do before the next forward."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Host-tier copies for the model runner, in order: ``(device block, host slot)`` stores
+        (each block still holds its hashed KV: stores go first) and ``(host slot, device block)``
+        loads, before the next forward."""
+        offloads, self._offloads = self._offloads, []
+        reloads, self._reloads = self._reloads, []
+        if self.host is not None:
+            self.host.take_loading()
+        return offloads, reloads
+
+    def complete_offloads(self, slots: list[int]) -> None:
+        """The runner's copies into these host slots have completed."""
+        if self.host is not None and slots:
+            self.host.complete(slots)
 
     # -- measurement -------------------------------------------------------------------------
 

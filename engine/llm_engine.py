@@ -22,6 +22,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.inflight import PLACEHOLDER, InflightStep
 from engine.info import EngineInfo
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_transfer import KVTransfer
 from engine.loader import LoadedModel, load_model
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
@@ -35,7 +36,6 @@ from engine.stats import EngineStats
 from engine.structured import GrammarCompiler
 
 logger = logging.getLogger("engine")
-
 
 
 class LLMEngine:
@@ -66,9 +66,15 @@ class LLMEngine:
         self.runner = ModelRunner(model, config, max_model_len)
         self.max_model_len = min(max_model_len, self.runner.num_blocks * config.block_size)
         self.vocab_size = model.embed.shape[0]
+        host_blocks = (KVTransfer.num_slots(self.runner.bytes_per_block,
+                                            config.kv_offloading_size)
+                       if config.enable_prefix_caching else 0)
+        self.kv_transfer = (KVTransfer(self.runner.kv_cache, host_blocks)
+                            if host_blocks > 0 else None)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
             int(config.pin_budget_fraction * self.runner.num_blocks), track_pin_changes,
+            host_blocks,
         )
         admission_batch = config.admission_batch or (
             max(1, config.max_num_seqs // 16) if self.runner.graph_sizes else 1)
@@ -178,7 +184,11 @@ class LLMEngine:
         """Schedule, run the model, sample, and return an output for every request that
         produced tokens (unless it is ``final_only``) or finished; with overlapped scheduling,
         the outputs are those of the step before (see the module docstring)."""
+        if self.kv_transfer is not None:
+            self.kv.complete_offloads(self.kv_transfer.poll())
         batch = self.scheduler.schedule()
+        if self.kv_transfer is not None:  # host tier copies, ahead of the forward
+            self.kv_transfer.run(batch.offloads, batch.reloads)
         sample_indices = self._sample_indices(batch)
         sampled = [batch.seqs[i] for i in sample_indices]
         overlap = (self.async_scheduling and bool(batch.seqs)
@@ -374,4 +384,12 @@ class LLMEngine:
             num_prefill_tokens_computed=self.num_prefill_tokens,
             num_decode_tokens_computed=self.num_decode_tokens,
             num_tokens_stored=self.kv.stored_tokens(self.scheduler.running),
+            **self._host_tier_stats(),
         )
+
+    def _host_tier_stats(self) -> dict:
+        host, moved = self.kv.host, self.kv_transfer
+        if host is None or moved is None:
+            return {}
+        return {"host_kv_blocks_total": host.num_slots, "host_cache_hits": self.kv.host_hits,
+                "host_kv_blocks_used": host.num_slots - len(host.free), **moved.counters()}

@@ -17,11 +17,15 @@ from engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     """``num_new_tokens[i]`` tokens of ``seqs[i]`` are computed this step, starting at its
-    ``num_computed_tokens``; ``copies`` are (src, dst) block copies to perform first."""
+    ``num_computed_tokens``; ``copies`` are (src, dst) block copies to perform first;
+    ``offloads`` (device block, host slot) and ``reloads`` (host slot, device block) are the
+    host tier's copies, to perform before those (``engine.kv_transfer``)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    offloads: list[tuple[int, int]] = field(default_factory=list)
+    reloads: list[tuple[int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -88,6 +92,7 @@ class Scheduler:
             budget -= num_new
 
         batch.copies = self.kv.take_pending_copies()
+        batch.offloads, batch.reloads = self.kv.take_transfers()
         return batch
 
     def _preempt(self, seq: Sequence) -> None:

@@ -18,6 +18,15 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_prefill_tokens_computed: int
     num_decode_tokens_computed: int
     num_tokens_stored: int
+    # the host KV tier (--kv-offloading-size; all 0 when off)
+    host_kv_blocks_total: int = 0
+    host_kv_blocks_used: int = 0  # stored or being stored
+    host_cache_hits: int = 0  # prompt tokens served from the host tier (within prefix hits)
+    num_blocks_offloaded: int = 0  # device → host block copies issued
+    num_blocks_reloaded: int = 0  # host → device block copies issued
+    kv_offload_bytes: int = 0
+    kv_reload_bytes: int = 0
+    kv_reload_seconds: float = 0.0  # device time of the completed host → device copies
 
     @property
     def kv_cache_usage(self) -> float:
