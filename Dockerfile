@@ -33,6 +33,7 @@ COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY kernels ./kernels
 COPY chatgate ./chatgate
+COPY web/static ./web/static
 RUN pip install . \
  && useradd --create-home --uid 10001 chatgate \
  && mkdir -p /cache && chown chatgate /cache

@@ -45,17 +45,16 @@ log = logging.getLogger("chatgate")
 ENGINE_DEATH_EXIT_S = 1.0  # after the engine process dies: streams are failed, then we exit
 
 
-def static_dir() -> Path | None:
-    """The browser UI: ``chatgate/static`` (package data, also in a source checkout), else a
-    top-level ``web/`` folder next to the package in a source checkout."""
-    with contextlib.suppress(Exception):
-        p = Path(str(resources.files("chatgate") / "static"))
-        if (p / "index.html").is_file():
-            return p
-    p = Path(__file__).resolve().parent.parent / "web"
-    if (p / "index.html").is_file():
-        return p
-    return None
+def static_dir() -> Path:
+    """The browser UI's folder (it holds ``index.html``): the package data ``chatgate/static``
+    of an installed wheel, else the source checkout's ``web/static`` that an editable install
+    runs from (pyproject.toml builds the one from the other)."""
+    installed = Path(str(resources.files("chatgate") / "static"))
+    checkout = Path(__file__).resolve().parent.parent / "web" / "static"
+    for folder in (installed, checkout):
+        if (folder / "index.html").is_file():
+            return folder
+    raise FileNotFoundError(f"the browser UI is in neither {installed} nor {checkout}")
 
 
 async def start_engine(settings: Settings) -> AsyncEngine:
@@ -125,12 +124,6 @@ async def _server_error(request: Request, exc: Exception) -> Response:
                     code="internal_error").response()
 
 
-async def _index(request: Request) -> Response:
-    return JSONResponse({"name": "chatgate", "endpoints": [
-        "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/ws", "/v1/sessions",
-        "/metrics", "/healthz"]})
-
-
 def create_app(settings: Settings | None = None) -> Starlette:
     """The ASGI app; its lifespan starts the engine process and stops it. If the engine
     process dies, open streams end with an error, /healthz answers 503, and the server shuts
@@ -162,20 +155,16 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
 
 def _routes() -> list[Any]:
-    routes: list[Any] = [
+    """The API routes, then the browser UI mounted at ``/`` (last: API routes win)."""
+    return [
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *openai_api.routes,
         *completions_api.routes,
         *sessions_api.routes,
         WebSocketRoute("/v1/ws", ws_endpoint),
+        Mount("/", app=StaticFiles(directory=static_dir(), html=True), name="ui"),
     ]
-    ui = static_dir()
-    if ui is not None:
-        routes.append(Mount("/", app=StaticFiles(directory=str(ui), html=True), name="ui"))
-    else:
-        routes.append(Route("/", _index, methods=["GET"]))
-    return routes
 
 
 def _middleware(settings: Settings) -> list[Middleware]:

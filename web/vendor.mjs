@@ -1,5 +1,5 @@
 // Copies the built browser files of the pinned npm packages (and their licences) into
-// chatgate/static/vendor/. Run: `npm ci && npm run vendor` (from web-src/).
+// static/vendor/. Run: `npm ci && npm run vendor` (from web/).
 import { build } from "esbuild";
 import { cpSync, mkdirSync, rmSync, writeFileSync, readFileSync } from "node:fs";
 import { dirname, join } from "node:path";
@@ -7,7 +7,7 @@ import { fileURLToPath } from "node:url";
 
 const here = dirname(fileURLToPath(import.meta.url));
 const nm = join(here, "node_modules");
-const out = join(here, "..", "chatgate", "static", "vendor");
+const out = join(here, "static", "vendor");
 const version = (p) => JSON.parse(readFileSync(join(nm, p, "package.json"), "utf8")).version;
 
 rmSync(out, { recursive: true, force: true });
@@ -41,7 +41,7 @@ const lines = Object.entries(pkgs).map(
 );
 writeFileSync(
   join(out, "VERSIONS.txt"),
-  "Vendored from the npm registry by web-src/vendor.mjs; licences beside each file.\n" +
+  "Vendored from the npm registry by web/vendor.mjs; licences beside each file.\n" +
     lines.join("\n") + "\n",
 );
 console.log("vendored into", out);

@@ -1,4 +1,4 @@
-"""The browser UI (chatgate/static) in real headless Chromium against a real `chatgate serve`.
+"""The browser UI (web/static) in real headless Chromium against a real `chatgate serve`.
 
 Chromium is Debian's (`apt-get install chromium`), driven by Playwright for Python through
 ``executable_path`` (no browser download). The gateway runs as a subprocess with the real

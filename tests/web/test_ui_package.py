@@ -1,4 +1,5 @@
-"""The UI ships inside the package: a wheel (non-editable install) serves the same page."""
+"""The UI ships inside the package: a wheel (non-editable install) carries every file of
+``web/static`` as ``chatgate/static``, next to every module of the three packages."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STATIC = ROOT / "chatgate" / "static"
+STATIC = ROOT / "web" / "static"
+PACKAGES = ("chatgate", "engine", "kernels")
 
 
 def test_wheel_ships_the_ui(tmp_path: Path) -> None:
@@ -18,17 +20,20 @@ def test_wheel_ships_the_ui(tmp_path: Path) -> None:
     for name in ("pyproject.toml", "README.md"):
         if (ROOT / name).exists():
             shutil.copy(ROOT / name, src / name)
-    for pkg in ("chatgate", "engine", "kernels"):
-        shutil.copytree(ROOT / pkg, src / pkg,
+    for folder in (*PACKAGES, "web/static"):
+        shutil.copytree(ROOT / folder, src / folder,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps",
                     "--no-build-isolation", "-q", "-w", str(tmp_path / "dist")],
                    check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp_path / "dist").glob("chatgate-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"chatgate/static/{p.relative_to(STATIC).as_posix()}"
-                for p in STATIC.rglob("*") if p.is_file()}
-    assert "chatgate/static/index.html" in expected
-    assert any(n.endswith("/LICENSE") for n in expected)
-    missing = sorted(expected - names)
+    ui = {f"chatgate/static/{p.relative_to(STATIC).as_posix()}"
+          for p in STATIC.rglob("*") if p.is_file()}
+    assert "chatgate/static/index.html" in ui
+    assert any(n.endswith("/LICENSE") for n in ui)
+    missing = sorted(ui - names)
     assert not missing, f"the wheel lacks UI files (package-data in pyproject.toml?): {missing}"
+    modules = {p.relative_to(src).as_posix() for pkg in PACKAGES for p in (src / pkg).rglob("*.py")}
+    missing = sorted(modules - names)
+    assert not missing, f"the wheel lacks modules (packages in pyproject.toml?): {missing}"
