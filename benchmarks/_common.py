@@ -1,8 +1,10 @@
-"""Shared helpers for the benchmark scripts: the ShareGPT-shaped synthetic length
-distribution, output folder, a tee'd log, table printing, percentiles and machine info."""
+"""The benchmark harness: workloads (the ShareGPT-shaped synthetic length distribution),
+statistics, and one run's outputs (``Run``: the tee'd log with a header naming the command and
+the machine, tables, the raw JSON, plots), so each script is its workload and its comparison."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -10,7 +12,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,14 +99,45 @@ class Tee:
             self.fh.close()
 
 
+class Run(Tee):
+    """One benchmark run's outputs in ``out``: the log ``{stem}.txt`` (this object: call it to
+    print and log a line), the raw ``{stem}.json`` and plots. ``stem`` is the benchmark's name,
+    with ``_quick`` for a ``--quick`` run of a script that keeps its quick outputs apart."""
+
+    def __init__(self, out: Path, name: str, *, quick: bool = False,
+                 argv: list[str] | None = None) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.name = out, name
+        self.suffix = "_quick" if quick else ""
+        self.stem = f"{name}{self.suffix}"
+        super().__init__(out / f"{self.stem}.txt")
+        self(f"{name}:", " ".join(sys.argv[1:] if argv is None else argv))
+        self(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {machine_info()}")
+
+    def section(self, title: str, rows: Sequence[Sequence[object]] | None = None,
+                header: Sequence[str] = ()) -> None:
+        """A blank line, ``## title``, then the table of ``rows`` when given."""
+        self(f"\n## {title}")
+        if rows is not None:
+            self(table(rows, header))
+
+    def write_json(self, raw: object, indent: int | None = None) -> Path:
+        """The raw results as ``{stem}.json``."""
+        path = self.out / f"{self.stem}.json"
+        path.write_text(json.dumps(raw, indent=indent))
+        return path
+
+    def plot(self, filename: str, draw: Callable[..., None], *, ncols: int = 1,
+             figsize: tuple[float, float] = (6.5, 4.2), dpi: int = 110) -> Path | None:
+        """``save_figure`` into this run's folder."""
+        return save_figure(self.out / filename, draw, ncols=ncols, figsize=figsize, dpi=dpi)
+
+
 def open_log(out: Path, name: str, quick: bool, argv: list[str] | None) -> tuple[Tee, str]:
-    """The run's raw-output log, ``out/{stem}.txt`` with ``stem`` = ``name`` (``name_quick``
-    for a ``--quick`` run), begun with the command line and the machine: (log, stem)."""
-    stem = f"{name}_quick" if quick else name
-    log = Tee(out / f"{stem}.txt")
-    log(f"{name}:", " ".join(sys.argv[1:] if argv is None else argv))
-    log(machine_info())
-    return log, stem
+    """The run's raw-output log (a ``Run``) and its stem: ``name``, or ``name_quick`` for a
+    ``--quick`` run."""
+    run = Run(out, name, quick=quick, argv=argv)
+    return run, run.stem
 
 
 def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
@@ -177,6 +210,24 @@ def plt():
         print("matplotlib not installed: skipping plots (pip install matplotlib)", flush=True)
         return None
     return pyplot
+
+
+def save_figure(path: Path, draw: Callable[..., None], *, ncols: int = 1,
+                figsize: tuple[float, float] = (6.5, 4.2), dpi: int = 110) -> Path | None:
+    """One figure of ``ncols`` axes, drawn by ``draw(*axes)``, saved to ``path`` with a legend
+    on every axis that has labelled artists; None (nothing written) without matplotlib."""
+    pyplot = plt()
+    if pyplot is None:
+        return None
+    fig, axes = pyplot.subplots(1, ncols, figsize=figsize, squeeze=False)
+    draw(*axes[0])
+    for ax in axes[0]:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot.close(fig)
+    return path
 
 
 class Timer:

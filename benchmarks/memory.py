@@ -32,7 +32,6 @@ identical stream and pool: the two must agree step for step.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -43,10 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks._common import (  # noqa: E402
     DEFAULT_OUT,
+    Run,
     Tee,
-    machine_info,
     mean,
-    plt,
     ratio,
     sharegpt_lengths,
     table,
@@ -247,9 +245,194 @@ def run_engine(lengths: list[tuple[int, int]], prompts: list[list[int]], *, num_
             "final": llm.stats()}
 
 
+# -- the three parts ----------------------------------------------------------------------------
+
+def replay(args: argparse.Namespace, lengths: list[tuple[int, int]], prompts: list[list[int]],
+           common: dict, log: Tee) -> list[Trace]:
+    """The main replay at one budget under (a), (b) and (c)."""
+    bs = args.block_size
+    log(f"\n## replay at a KV budget of {args.budget_slots} slots "
+        f"({args.budget_slots // bs} blocks of {bs})")
+    traces = []
+    t = time.perf_counter()
+    traces.append(simulate_paged(lengths, prompts, num_blocks=args.budget_slots // bs,
+                                 block_size=bs, seed=args.seed, **common))
+    log(f"  (a) done: {traces[-1].finished_at} steps ({time.perf_counter() - t:.1f} s)")
+    for reserve in ("max", "exact"):
+        t = time.perf_counter()
+        traces.append(simulate_contiguous(lengths, budget_slots=args.budget_slots,
+                                          reserve=reserve, **common))
+        log(f"  {traces[-1].policy} done: {traces[-1].finished_at} steps "
+            f"({time.perf_counter() - t:.1f} s)")
+    return traces
+
+
+def sweep_budgets(args: argparse.Namespace, common: dict, log: Tee) -> list[dict]:
+    """In flight vs budget, steady state only: each run stops once the queue is drained."""
+    log("\n## in-flight requests vs KV budget (until the queue drains)")
+    bs, sweep = args.block_size, []
+    for budget in [int(x) for x in args.sweep.split(",") if x]:
+        n = max(args.num_requests, budget // 40) if not args.quick else args.num_requests
+        sw_lengths = sharegpt_lengths(n, args.seed, max_model_len=args.max_model_len)
+        sw_prompts = make_prompts(sw_lengths, args.seed)
+        t = time.perf_counter()
+        row = {"budget_slots": budget}
+        a = simulate_paged(sw_lengths, sw_prompts, num_blocks=budget // bs, block_size=bs,
+                           seed=args.seed, stop_when_drained=True, check_every=0,
+                           **common).summary()
+        b = simulate_contiguous(sw_lengths, budget_slots=budget, reserve="max",
+                                stop_when_drained=True, **common).summary()
+        c = simulate_contiguous(sw_lengths, budget_slots=budget, reserve="exact",
+                                stop_when_drained=True, **common).summary()
+        for key, s in (("a", a), ("b", b), ("c", c)):
+            row[f"{key}_mean"] = s["mean_in_flight_queued"]
+            row[f"{key}_max"] = s["max_in_flight"]
+            row[f"{key}_waste_peak"] = s["waste_at_peak"]
+        sweep.append(row)
+        log(f"  budget {budget:>6} slots ({n} requests): in flight (mean while queued / max) "
+            f"a {row['a_mean']:.0f}/{row['a_max']}, b {row['b_mean']:.0f}/{row['b_max']}, "
+            f"c {row['c_mean']:.0f}/{row['c_max']} ({time.perf_counter() - t:.1f} s)")
+    return sweep
+
+
+def engine_vs_simulator(args: argparse.Namespace, log: Tee) -> tuple[dict, Trace]:
+    """The real engine beside the simulator of (a) on the identical stream and pool: the
+    engine's stats summarised, and the simulator's trace."""
+    bs = args.block_size
+    log(f"\n## real engine (SmolLM2, CPU) vs the simulator of (a): "
+        f"{args.engine_requests} requests, lengths × {args.engine_scale}, "
+        f"{args.engine_blocks} blocks of {bs}")
+    e_lengths = [(max(2, int(p * args.engine_scale)), max(2, int(o * args.engine_scale)))
+                 for p, o in sharegpt_lengths(args.engine_requests, args.seed + 7,
+                                              max_model_len=args.max_model_len)]
+    e_prompts = make_prompts(e_lengths, args.seed + 7)
+    e_common = {"max_num_seqs": 256, "max_num_batched_tokens": 512,
+                "max_model_len": args.max_model_len}
+    result = run_engine(e_lengths, e_prompts, num_blocks=args.engine_blocks,
+                        block_size=bs, log=log, model=args.model, **e_common)
+    sim = simulate_paged(e_lengths, e_prompts, num_blocks=args.engine_blocks, block_size=bs,
+                         seed=args.seed, check_every=1, **e_common)
+    samples = result["samples"]
+    e_waste = [s["kv_waste"] for s in samples]
+    e_usage = [s["kv_usage"] for s in samples]
+    same = (len(samples) == len(sim.steps)
+            and all(s["running"] == r and s["blocks_used"] * bs == res
+                    and s["tokens_stored"] == st
+                    for s, r, res, st in zip(samples, sim.in_flight, sim.reserved,
+                                             sim.stored, strict=True)))
+    top = max(e_usage)
+    peak = [w for w, u in zip(e_waste, e_usage, strict=True) if u >= 0.9 * top]
+    total_slots = sum(s["blocks_used"] * bs for s in samples)
+    result.update({
+        "steps": len(samples), "sim_steps": sim.finished_at, "agree": same,
+        "peak_usage": top, "waste_at_peak": mean(peak),
+        "waste_overall": 1 - sum(s["tokens_stored"] for s in samples) / total_slots
+        if total_slots else 0.0,
+        "sim_waste_at_peak": sim.summary()["waste_at_peak"],
+        "max_running": max(s["running"] for s in samples),
+        "preemptions": samples[-1]["preemptions"] if samples else 0,
+        "sim_preemptions": sim.preemptions,
+    })
+    log(f"  engine: {len(samples)} steps in {result['seconds']:.0f} s, peak KV "
+        f"usage {top:.1%}, waste at peak {result['waste_at_peak']:.2%}, overall "
+        f"{result['waste_overall']:.2%}, max running {result['max_running']}, "
+        f"preemptions {result['preemptions']}")
+    log(f"  simulator: {sim.finished_at} steps, waste at peak "
+        f"{result['sim_waste_at_peak']:.2%}, preemptions {sim.preemptions}; "
+        f"step-for-step identical (running, blocks, tokens stored): {same}")
+    return result, sim
+
+
+# -- plots and tables ---------------------------------------------------------------------------
+
+def plot(run: Run, args: argparse.Namespace, traces: list[Trace], sweep: list[dict],
+         engine: tuple[dict, Trace] | None) -> None:
+    def waste_and_in_flight(ax1, ax2) -> None:
+        for tr in traces:
+            ax1.plot(tr.steps, [100 * w for w in tr.waste()], label=tr.policy, lw=1.2)
+            ax2.plot(tr.steps, tr.in_flight, label=tr.policy, lw=1.2)
+        ax1.set(xlabel="engine step", ylabel="KV waste (% of reserved slots)",
+                title=f"KV waste over time, budget {args.budget_slots} slots", ylim=(0, 100))
+        ax2.set(xlabel="engine step", ylabel="requests in flight",
+                title="requests in flight over time")
+
+    def in_flight_vs_budget(ax) -> None:
+        xs = [r["budget_slots"] for r in sweep]
+        for key, label in (("a", "(a) ours: paged"), ("b", "(b) contiguous max_model_len"),
+                           ("c", "(c) contiguous exact (oracle)")):
+            ax.plot(xs, [r[f"{key}_mean"] for r in sweep], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="KV budget (token slots)",
+               ylabel="requests in flight (mean while queued)",
+               title="in-flight requests vs KV budget")
+
+    run.plot(f"memory_waste{run.suffix}.png", waste_and_in_flight, ncols=2, figsize=(12, 4.2))
+    run.plot(f"memory_inflight{run.suffix}.png", in_flight_vs_budget)
+    if engine is None:
+        return
+    result, sim = engine
+
+    def engine_stats(ax) -> None:
+        steps = [s["step"] for s in result["samples"]]
+        ax.plot(steps, [100 * s["kv_usage"] for s in result["samples"]],
+                label="engine kv_cache_usage %")
+        ax.plot(steps, [100 * s["kv_waste"] for s in result["samples"]],
+                label="engine kv_waste %")
+        ax.plot(sim.steps, [100 * w for w in sim.waste()], ls="--",
+                label="simulator (a) waste %")
+        ax.set(xlabel="engine step", ylabel="%", title="real engine stats (SmolLM2, CPU)")
+
+    run.plot(f"memory_engine{run.suffix}.png", engine_stats)
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def report(run: Run, args: argparse.Namespace, n_requests: int, sums: list[dict],
+           sweep: list[dict], engine: dict | None) -> None:
+    """The tables, last."""
+    a, b, _ = sums
+    in_flight = ratio(a["mean_in_flight_queued"], b["mean_in_flight_queued"])
+    run.section(f"KV memory, budget {args.budget_slots} slots, {n_requests} requests", [
+        [s["policy"], f"{s['waste_at_peak']:.2%}", f"{s['waste_overall']:.2%}",
+         s["max_in_flight"], f"{s['mean_in_flight_queued']:.1f}", s["steps"], s["preemptions"]]
+        for s in sums], ["policy", "waste@peak", "waste overall", "max in flight",
+                         "in flight (queued)", "steps", "preempt"])
+    run("")
+    run(table([
+        ["waste at peak (a) vs (b)", f"{a['waste_at_peak']:.2%}", f"{b['waste_at_peak']:.2%}",
+         "target (a) ≤ 2%, (b) 60–80%", met(a["waste_at_peak"] <= 0.02)],
+        ["in flight (a)/(b), mean while queued",
+         f"{a['mean_in_flight_queued']:.1f}", f"{b['mean_in_flight_queued']:.1f}",
+         f"ratio {in_flight:.1f}× (≥ 5×)", met(in_flight >= 5)],
+        ["max in flight (a)/(b)", a["max_in_flight"], b["max_in_flight"],
+         f"ratio {ratio(a['max_in_flight'], b['max_in_flight']):.1f}× (≥ 5×)",
+         met(ratio(a["max_in_flight"], b["max_in_flight"]) >= 5)],
+        ["steps to drain the stream (a)/(b)", a["steps"], b["steps"],
+         f"(b) takes {ratio(b['steps'], a['steps']):.1f}× as many", ""],
+    ], ["figure", "ours (a)", "baseline (b)", "ratio / target", "status"]))
+    run("")
+    run(table([[r["budget_slots"], f"{r['a_mean']:.1f}", f"{r['b_mean']:.1f}",
+                f"{r['c_mean']:.1f}", f"{ratio(r['a_mean'], r['b_mean']):.1f}×",
+                f"{r['a_waste_peak']:.2%}", f"{r['b_waste_peak']:.2%}"] for r in sweep],
+              ["budget slots", "in flight (a)", "(b)", "(c)", "(a)/(b)", "waste@peak (a)",
+               "(b)"]))
+    if engine is None:
+        return
+    run("")
+    run(table([["real engine stats()", f"{engine['waste_at_peak']:.2%}",
+                f"{engine['waste_overall']:.2%}", f"{engine['peak_usage']:.1%}",
+                engine["max_running"], engine["preemptions"], engine["steps"]],
+               ["simulator (a), same stream", f"{engine['sim_waste_at_peak']:.2%}",
+                "", "", "", engine["sim_preemptions"], engine["sim_steps"]]],
+              ["source", "waste@peak", "waste overall", "peak kv usage", "max running",
+               "preempt", "steps"]))
+    run(f"engine == simulator step for step: {engine['agree']}")
+
+
 # -- main ---------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
@@ -273,209 +456,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.num_requests, args.budget_slots, args.sweep = 40, 4096, "2048,4096"
         args.engine_requests, args.engine_blocks, args.engine_scale = 6, 16, 0.05
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    log = Tee(out / ("memory_quick.txt" if args.quick else "memory.txt"))
-    log(f"# benchmarks/memory.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-    log(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {machine_info()}")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = Run(args.out, "memory", quick=args.quick, argv=argv)
     lengths = sharegpt_lengths(args.num_requests, args.seed, max_model_len=args.max_model_len)
     prompts = make_prompts(lengths, args.seed)
     ps, os_ = [p for p, _ in lengths], [o for _, o in lengths]
-    log(f"stream: {len(lengths)} requests, seed {args.seed}; prompt mean {mean(ps):.0f} "
+    run(f"stream: {len(lengths)} requests, seed {args.seed}; prompt mean {mean(ps):.0f} "
         f"(median {sorted(ps)[len(ps) // 2]}, max {max(ps)}), output mean {mean(os_):.0f} "
         f"(median {sorted(os_)[len(os_) // 2]}, max {max(os_)}), prompt+output ≤ "
         f"{args.max_model_len}")
     common = {"max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "max_model_len": args.max_model_len}
-    bs = args.block_size
-
-    # 1) the main replay at one budget
-    log(f"\n## replay at a KV budget of {args.budget_slots} slots "
-        f"({args.budget_slots // bs} blocks of {bs})")
-    traces = []
-    t = time.perf_counter()
-    traces.append(simulate_paged(lengths, prompts, num_blocks=args.budget_slots // bs,
-                                 block_size=bs, seed=args.seed, **common))
-    log(f"  (a) done: {traces[-1].finished_at} steps ({time.perf_counter() - t:.1f} s)")
-    for reserve in ("max", "exact"):
-        t = time.perf_counter()
-        traces.append(simulate_contiguous(lengths, budget_slots=args.budget_slots,
-                                          reserve=reserve, **common))
-        log(f"  {traces[-1].policy} done: {traces[-1].finished_at} steps "
-            f"({time.perf_counter() - t:.1f} s)")
+    traces = replay(args, lengths, prompts, common, run)
     sums = [tr.summary() for tr in traces]
+    sweep = sweep_budgets(args, common, run)
+    engine = None if args.no_engine else engine_vs_simulator(args, run)
 
-    # 2) the sweep: in flight vs budget (steady state only: stop once the queue is drained)
-    log("\n## in-flight requests vs KV budget (until the queue drains)")
-    sweep = []
-    for budget in [int(x) for x in args.sweep.split(",") if x]:
-        n = max(args.num_requests, budget // 40) if not args.quick else args.num_requests
-        sw_lengths = sharegpt_lengths(n, args.seed, max_model_len=args.max_model_len)
-        sw_prompts = make_prompts(sw_lengths, args.seed)
-        t = time.perf_counter()
-        row = {"budget_slots": budget}
-        a = simulate_paged(sw_lengths, sw_prompts, num_blocks=budget // bs, block_size=bs,
-                           seed=args.seed, stop_when_drained=True, check_every=0,
-                           **common).summary()
-        b = simulate_contiguous(sw_lengths, budget_slots=budget, reserve="max",
-                                stop_when_drained=True, **common).summary()
-        c = simulate_contiguous(sw_lengths, budget_slots=budget, reserve="exact",
-                                stop_when_drained=True, **common).summary()
-        for key, s in (("a", a), ("b", b), ("c", c)):
-            row[f"{key}_mean"] = s["mean_in_flight_queued"]
-            row[f"{key}_max"] = s["max_in_flight"]
-            row[f"{key}_waste_peak"] = s["waste_at_peak"]
-        sweep.append(row)
-        log(f"  budget {budget:>6} slots ({n} requests): in flight (mean while queued / max) "
-            f"a {row['a_mean']:.0f}/{row['a_max']}, b {row['b_mean']:.0f}/{row['b_max']}, "
-            f"c {row['c_mean']:.0f}/{row['c_max']} ({time.perf_counter() - t:.1f} s)")
-
-    # 3) the real engine beside the simulator of (a) on the identical stream and pool
-    engine_result = None
-    if not args.no_engine:
-        log(f"\n## real engine (SmolLM2, CPU) vs the simulator of (a): "
-            f"{args.engine_requests} requests, lengths × {args.engine_scale}, "
-            f"{args.engine_blocks} blocks of {bs}")
-        e_lengths = [(max(2, int(p * args.engine_scale)), max(2, int(o * args.engine_scale)))
-                     for p, o in sharegpt_lengths(args.engine_requests, args.seed + 7,
-                                                  max_model_len=args.max_model_len)]
-        e_prompts = make_prompts(e_lengths, args.seed + 7)
-        e_common = {"max_num_seqs": 256, "max_num_batched_tokens": 512,
-                    "max_model_len": args.max_model_len}
-        engine_result = run_engine(e_lengths, e_prompts, num_blocks=args.engine_blocks,
-                                   block_size=bs, log=log, model=args.model, **e_common)
-        sim = simulate_paged(e_lengths, e_prompts, num_blocks=args.engine_blocks, block_size=bs,
-                             seed=args.seed, check_every=1, **e_common)
-        samples = engine_result["samples"]
-        e_waste = [s["kv_waste"] for s in samples]
-        e_usage = [s["kv_usage"] for s in samples]
-        same = (len(samples) == len(sim.steps)
-                and all(s["running"] == r and s["blocks_used"] * bs == res
-                        and s["tokens_stored"] == st
-                        for s, r, res, st in zip(samples, sim.in_flight, sim.reserved,
-                                                 sim.stored, strict=True)))
-        top = max(e_usage)
-        peak = [w for w, u in zip(e_waste, e_usage, strict=True) if u >= 0.9 * top]
-        total_slots = sum(s["blocks_used"] * bs for s in samples)
-        engine_result.update({
-            "steps": len(samples), "sim_steps": sim.finished_at, "agree": same,
-            "peak_usage": top, "waste_at_peak": mean(peak),
-            "waste_overall": 1 - sum(s["tokens_stored"] for s in samples) / total_slots
-            if total_slots else 0.0,
-            "sim_waste_at_peak": sim.summary()["waste_at_peak"],
-            "max_running": max(s["running"] for s in samples),
-            "preemptions": samples[-1]["preemptions"] if samples else 0,
-            "sim_preemptions": sim.preemptions,
-        })
-        log(f"  engine: {len(samples)} steps in {engine_result['seconds']:.0f} s, peak KV "
-            f"usage {top:.1%}, waste at peak {engine_result['waste_at_peak']:.2%}, overall "
-            f"{engine_result['waste_overall']:.2%}, max running {engine_result['max_running']}, "
-            f"preemptions {engine_result['preemptions']}")
-        log(f"  simulator: {sim.finished_at} steps, waste at peak "
-            f"{engine_result['sim_waste_at_peak']:.2%}, preemptions {sim.preemptions}; "
-            f"step-for-step identical (running, blocks, tokens stored): {same}")
-
-    # plots
-    pyplot = plt()
-    if pyplot is not None:
-        fig, (ax1, ax2) = pyplot.subplots(1, 2, figsize=(12, 4.2))
-        for tr in traces:
-            ax1.plot(tr.steps, [100 * w for w in tr.waste()], label=tr.policy, lw=1.2)
-            ax2.plot(tr.steps, tr.in_flight, label=tr.policy, lw=1.2)
-        ax1.set(xlabel="engine step", ylabel="KV waste (% of reserved slots)",
-                title=f"KV waste over time, budget {args.budget_slots} slots", ylim=(0, 100))
-        ax2.set(xlabel="engine step", ylabel="requests in flight",
-                title="requests in flight over time")
-        ax1.legend(fontsize=8)
-        ax2.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / ("memory_waste_quick.png" if args.quick else "memory_waste.png"),
-                    dpi=110)
-        pyplot.close(fig)
-
-        fig, ax = pyplot.subplots(figsize=(6.5, 4.2))
-        xs = [r["budget_slots"] for r in sweep]
-        for key, label in (("a", "(a) ours: paged"), ("b", "(b) contiguous max_model_len"),
-                           ("c", "(c) contiguous exact (oracle)")):
-            ax.plot(xs, [r[f"{key}_mean"] for r in sweep], marker="o", label=label)
-        ax.set(xscale="log", yscale="log", xlabel="KV budget (token slots)",
-               ylabel="requests in flight (mean while queued)",
-               title="in-flight requests vs KV budget")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / ("memory_inflight_quick.png" if args.quick else "memory_inflight.png"),
-                    dpi=110)
-        pyplot.close(fig)
-
-        if engine_result is not None:
-            fig, ax = pyplot.subplots(figsize=(6.5, 4.2))
-            steps = [s["step"] for s in engine_result["samples"]]
-            ax.plot(steps, [100 * s["kv_usage"] for s in engine_result["samples"]],
-                    label="engine kv_cache_usage %")
-            ax.plot(steps, [100 * s["kv_waste"] for s in engine_result["samples"]],
-                    label="engine kv_waste %")
-            ax.plot(sim.steps, [100 * w for w in sim.waste()], ls="--",
-                    label="simulator (a) waste %")
-            ax.set(xlabel="engine step", ylabel="%", title="real engine stats (SmolLM2, CPU)")
-            ax.legend(fontsize=8)
-            fig.tight_layout()
-            fig.savefig(out / ("memory_engine_quick.png" if args.quick else "memory_engine.png"),
-                        dpi=110)
-            pyplot.close(fig)
-
-    raw = {"args": vars(args) | {"out": str(out)}, "summaries": sums, "sweep": sweep,
+    plot(run, args, traces, sweep, engine)
+    raw = {"args": vars(args) | {"out": str(args.out)}, "summaries": sums, "sweep": sweep,
            "traces": [{"policy": tr.policy, "in_flight": tr.in_flight,
                        "reserved": tr.reserved, "stored": tr.stored} for tr in traces]}
-    if engine_result is not None:
-        raw["engine"] = {k: v for k, v in engine_result.items() if k != "final"}
-    (out / ("memory_quick.json" if args.quick else "memory.json")).write_text(json.dumps(raw))
-
-    # the tables, last
-    a, b, c = sums
-    log(f"\n## KV memory, budget {args.budget_slots} slots, {len(lengths)} requests")
-    rows = []
-    for s in sums:
-        rows.append([s["policy"], f"{s['waste_at_peak']:.2%}", f"{s['waste_overall']:.2%}",
-                     s["max_in_flight"], f"{s['mean_in_flight_queued']:.1f}", s["steps"],
-                     s["preemptions"]])
-    log(table(rows, ["policy", "waste@peak", "waste overall", "max in flight",
-                     "in flight (queued)", "steps", "preempt"]))
-    log("")
-    log(table([
-        ["waste at peak (a) vs (b)", f"{a['waste_at_peak']:.2%}", f"{b['waste_at_peak']:.2%}",
-         "target (a) ≤ 2%, (b) 60–80%",
-         "met" if a["waste_at_peak"] <= 0.02 else "MISSED"],
-        ["in flight (a)/(b), mean while queued",
-         f"{a['mean_in_flight_queued']:.1f}", f"{b['mean_in_flight_queued']:.1f}",
-         f"ratio {ratio(a['mean_in_flight_queued'], b['mean_in_flight_queued']):.1f}× (≥ 5×)",
-         "met" if ratio(a["mean_in_flight_queued"], b["mean_in_flight_queued"]) >= 5
-         else "MISSED"],
-        ["max in flight (a)/(b)", a["max_in_flight"], b["max_in_flight"],
-         f"ratio {ratio(a['max_in_flight'], b['max_in_flight']):.1f}× (≥ 5×)",
-         "met" if ratio(a["max_in_flight"], b["max_in_flight"]) >= 5 else "MISSED"],
-        ["steps to drain the stream (a)/(b)", a["steps"], b["steps"],
-         f"(b) takes {ratio(b['steps'], a['steps']):.1f}× as many", ""],
-    ], ["figure", "ours (a)", "baseline (b)", "ratio / target", "status"]))
-    log("")
-    log(table([[r["budget_slots"], f"{r['a_mean']:.1f}", f"{r['b_mean']:.1f}",
-                f"{r['c_mean']:.1f}", f"{ratio(r['a_mean'], r['b_mean']):.1f}×",
-                f"{r['a_waste_peak']:.2%}", f"{r['b_waste_peak']:.2%}"] for r in sweep],
-              ["budget slots", "in flight (a)", "(b)", "(c)", "(a)/(b)", "waste@peak (a)",
-               "(b)"]))
-    if engine_result is not None:
-        log("")
-        log(table([["real engine stats()", f"{engine_result['waste_at_peak']:.2%}",
-                    f"{engine_result['waste_overall']:.2%}",
-                    f"{engine_result['peak_usage']:.1%}", engine_result["max_running"],
-                    engine_result["preemptions"], engine_result["steps"]],
-                   ["simulator (a), same stream", f"{engine_result['sim_waste_at_peak']:.2%}",
-                    "", "", "", engine_result["sim_preemptions"], engine_result["sim_steps"]]],
-                  ["source", "waste@peak", "waste overall", "peak kv usage", "max running",
-                   "preempt", "steps"]))
-        log(f"engine == simulator step for step: {engine_result['agree']}")
-    log.close()
+    if engine is not None:
+        raw["engine"] = {k: v for k, v in engine[0].items() if k != "final"}
+    run.write_json(raw)
+    report(run, args, len(lengths), sums, sweep, engine[0] if engine else None)
+    run.close()
     return 0
 
 

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -31,13 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks._common import (  # noqa: E402
     DEFAULT_OUT,
+    Run,
     Tee,
-    machine_info,
     mean,
     percentile,
-    plt,
     ratio,
-    table,
 )
 from engine.outputs import merge_outputs  # noqa: E402
 
@@ -207,7 +204,7 @@ def multi_turn(llms: dict, convs: int, turns: int, max_tokens: int, log: Tee) ->
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--users", type=int, default=64)
     ap.add_argument("--system-tokens", type=int, default=1000)
@@ -231,45 +228,23 @@ def main(argv: list[str] | None = None) -> int:
         args.users, args.system_tokens, args.answer_tokens, args.off_every = 3, 64, 2, 1
         args.conversations, args.turns, args.turn_tokens = 1, 3, 4
         args.num_kv_blocks = 64
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "prefix_quick" if args.quick else "prefix"
-    log = Tee(out / f"{stem}.txt")
-    log(f"# benchmarks/prefix.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-    log(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {machine_info()}")
+    return args
 
+
+def warm_engines(args: argparse.Namespace, caching: dict[str, bool]) -> dict:
+    """One engine per name, prefix caching as given, each warmed by one tiny request (first-call
+    overheads, not counted)."""
     from engine import LLM
 
-    def make(caching: bool) -> LLM:
-        return LLM(args.model, num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=caching,
-                   seed=args.seed)
+    llms = {name: LLM(args.model, num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=on,
+                      seed=args.seed) for name, on in caching.items()}
+    for llm in llms.values():
+        llm.generate([[1, 2, 3]], None)
+    return llms
 
-    raw: dict = {"args": vars(args) | {"out": str(out)}}
-    shared = turns = None
-    if not args.skip_shared:
-        log(f"\n## (1) one ~{args.system_tokens}-token system prompt, {args.users} users")
-        llms = {"on": make(True), "off": make(False)}
-        # warm-up: one tiny request each (first-call overheads), not counted
-        for llm in llms.values():
-            llm.generate([[1, 2, 3]], None)
-        shared = shared_prompt(llms, args.users, args.system_tokens, args.answer_tokens,
-                               args.seed, log, args.off_every)
-        raw["shared"] = shared
-        del llms
-    if not args.skip_turns:
-        log(f"\n## (2) {args.conversations} conversations × {args.turns} turns, "
-            f"{args.turn_tokens}-token answers")
-        llms = {"sessions": make(True), "prefix": make(True), "none": make(False)}
-        for llm in llms.values():
-            llm.generate([[1, 2, 3]], None)
-        turns = multi_turn(llms, args.conversations, args.turns, args.turn_tokens, log)
-        raw["turns"] = turns
-        del llms
-    (out / f"{stem}.json").write_text(json.dumps(raw, indent=1))
 
-    pyplot = plt()
-    if pyplot is not None and turns is not None:
-        fig, (ax1, ax2) = pyplot.subplots(1, 2, figsize=(12, 4.2))
+def plot(run: Run, args: argparse.Namespace, shared: dict | None, turns: dict | None) -> None:
+    def per_turn(ax1, ax2) -> None:
         xs = list(range(1, args.turns + 1))
         labels = {"sessions": "pinned sessions", "prefix": "prefix caching only",
                   "none": "no caching"}
@@ -281,39 +256,35 @@ def main(argv: list[str] | None = None) -> int:
                 title=f"TTFT per turn ({args.conversations} conversations at once)")
         ax2.set(xlabel="turn", ylabel="prefill tokens computed per conversation",
                 title="tokens computed per turn")
-        ax1.legend(fontsize=8)
-        ax2.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"{stem}_turns.png", dpi=110)
-        pyplot.close(fig)
-    if pyplot is not None and shared is not None:
-        fig, ax = pyplot.subplots(figsize=(6.5, 4.2))
+
+    def per_user(ax) -> None:
         ax.plot([u + 1 for u in shared["on"]["users"]], [t * 1e3 for t in shared["on"]["ttft"]],
                 marker=".", label="prefix caching on")
         ax.plot([u + 1 for u in shared["off"]["users"]],
                 [t * 1e3 for t in shared["off"]["ttft"]], marker="o", label="off")
         ax.set(xlabel="user", ylabel="TTFT (ms)", yscale="log",
                title=f"shared {args.system_tokens}-token system prompt: TTFT per user")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"{stem}_shared.png", dpi=110)
-        pyplot.close(fig)
 
-    # tables, last
+    if turns is not None:
+        run.plot(f"{run.stem}_turns.png", per_turn, ncols=2, figsize=(12, 4.2))
     if shared is not None:
-        on, off = shared["on"], shared["off"]
-        # caching off computes every prompt token: verified on the users it ran
-        off_exact = all(c == p for c, p in zip(off["prefill"], off["prompt"], strict=True))
-        off_total = shared["all_prompt_tokens"] if off_exact else float("nan")
-        cut = 1 - ratio(sum(on["prefill"]), off_total)
-        paired = {u: i for i, u in enumerate(on["users"])}
-        same = sum(on["answers"][paired[u]] == a for u, a in zip(off["users"], off["answers"],
-                                                                  strict=True))
-        on_paired = [on["ttft"][paired[u]] for u in off["users"]]
-        on_later = on["ttft"][1:]
-        log(f"\n## (1) shared system prompt ({mean(on['prompt']):.0f}-token prompts, "
-            f"{args.users} users one at a time; caching off run on {len(off['users'])} of them)")
-        log(table([
+        run.plot(f"{run.stem}_shared.png", per_user)
+
+
+def report_shared(run: Run, args: argparse.Namespace, shared: dict) -> None:
+    on, off = shared["on"], shared["off"]
+    # caching off computes every prompt token: verified on the users it ran
+    off_exact = all(c == p for c, p in zip(off["prefill"], off["prompt"], strict=True))
+    off_total = shared["all_prompt_tokens"] if off_exact else float("nan")
+    cut = 1 - ratio(sum(on["prefill"]), off_total)
+    paired = {u: i for i, u in enumerate(on["users"])}
+    same = sum(on["answers"][paired[u]] == a for u, a in zip(off["users"], off["answers"],
+                                                              strict=True))
+    on_paired = [on["ttft"][paired[u]] for u in off["users"]]
+    on_later = on["ttft"][1:]
+    run.section(
+        f"(1) shared system prompt ({mean(on['prompt']):.0f}-token prompts, "
+        f"{args.users} users one at a time; caching off run on {len(off['users'])} of them)", [
             ["prefill tokens computed, all users", sum(on["prefill"]), off_total,
              f"{cut:.1%} fewer"],
             ["prefill tokens computed, user 1", on["prefill"][0], off["prefill"][0], ""],
@@ -328,34 +299,60 @@ def main(argv: list[str] | None = None) -> int:
             ["TTFT mean (ms), same users", mean(on_paired) * 1e3, mean(off["ttft"]) * 1e3,
              f"{ratio(mean(off['ttft']), mean(on_paired)):.1f}× faster"],
             ["greedy answers identical", f"{same}/{len(off['users'])}", "", ""],
-        ], ["figure", "caching on", "caching off", "saving"]))
-        log(f"off computes the full prompt on every user it ran: {off_exact}")
-        log(f"target prefill cut ≥ 90%: {cut:.1%} — {'met' if cut >= 0.9 else 'MISSED'}")
+        ], ["figure", "caching on", "caching off", "saving"])
+    run(f"off computes the full prompt on every user it ran: {off_exact}")
+    run(f"target prefill cut ≥ 90%: {cut:.1%} — {'met' if cut >= 0.9 else 'MISSED'}")
+
+
+def report_turns(run: Run, args: argparse.Namespace, turns: dict) -> None:
+    s, p, n = turns["sessions"], turns["prefix"], turns["none"]
+    rows = [[t + 1, f"{n['prompt'][t]:.0f}", f"{s['new'][t]:.0f}", f"{s['computed'][t]:.0f}",
+             f"{p['computed'][t]:.0f}", f"{n['computed'][t]:.0f}", s["ttft"][t] * 1e3,
+             p["ttft"][t] * 1e3, n["ttft"][t] * 1e3, f"{ratio(n['ttft'][t], s['ttft'][t]):.1f}×"]
+            for t in range(args.turns)]
+    run.section(f"(2) multi-turn: {args.conversations} conversations × {args.turns} turns "
+                f"(per conversation, mean)", rows,
+                ["turn", "prompt", "new", "computed: sessions", "prefix", "none",
+                 "TTFT ms: sessions", "prefix", "none", "none/sessions"])
+    extra = [s["computed"][t] - s["new"][t] for t in range(1, args.turns)]
+    exact = all(0 <= e <= 1 for e in extra)
+    last = args.turns - 1
+    ttft_ratio = ratio(s["ttft"][last], n["ttft"][last])
+    run(f"target: from turn 2 computed = the turn's new tokens with sessions: computed − new "
+        f"per turn {[round(e, 2) for e in extra]} — "
+        f"{'met' if exact else 'MISSED'} (the +1 is the previous answer's last token, "
+        f"sampled but never fed back)")
+    run(f"target: TTFT turn {last + 1} with sessions ≤ 1/3 of no-cache: "
+        f"{s['ttft'][last] * 1e3:.0f} ms vs {n['ttft'][last] * 1e3:.0f} ms = "
+        f"{ttft_ratio:.2f} — {'met' if ttft_ratio <= 1 / 3 else 'MISSED'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = Run(args.out, "prefix", quick=args.quick, argv=argv)
+    raw: dict = {"args": vars(args) | {"out": str(args.out)}}
+    shared = turns = None
+    if not args.skip_shared:
+        run(f"\n## (1) one ~{args.system_tokens}-token system prompt, {args.users} users")
+        llms = warm_engines(args, {"on": True, "off": False})
+        shared = raw["shared"] = shared_prompt(llms, args.users, args.system_tokens,
+                                               args.answer_tokens, args.seed, run,
+                                               args.off_every)
+        del llms
+    if not args.skip_turns:
+        run(f"\n## (2) {args.conversations} conversations × {args.turns} turns, "
+            f"{args.turn_tokens}-token answers")
+        llms = warm_engines(args, {"sessions": True, "prefix": True, "none": False})
+        turns = raw["turns"] = multi_turn(llms, args.conversations, args.turns,
+                                          args.turn_tokens, run)
+        del llms
+    run.write_json(raw, indent=1)
+    plot(run, args, shared, turns)
+    if shared is not None:
+        report_shared(run, args, shared)
     if turns is not None:
-        s, p, n = turns["sessions"], turns["prefix"], turns["none"]
-        log(f"\n## (2) multi-turn: {args.conversations} conversations × {args.turns} turns "
-            f"(per conversation, mean)")
-        rows = []
-        for t in range(args.turns):
-            rows.append([t + 1, f"{n['prompt'][t]:.0f}", f"{s['new'][t]:.0f}",
-                         f"{s['computed'][t]:.0f}", f"{p['computed'][t]:.0f}",
-                         f"{n['computed'][t]:.0f}", s["ttft"][t] * 1e3, p["ttft"][t] * 1e3,
-                         n["ttft"][t] * 1e3,
-                         f"{ratio(n['ttft'][t], s['ttft'][t]):.1f}×"])
-        log(table(rows, ["turn", "prompt", "new", "computed: sessions", "prefix", "none",
-                         "TTFT ms: sessions", "prefix", "none", "none/sessions"]))
-        extra = [s["computed"][t] - s["new"][t] for t in range(1, args.turns)]
-        exact = all(0 <= e <= 1 for e in extra)
-        last = args.turns - 1
-        ttft_ratio = ratio(s["ttft"][last], n["ttft"][last])
-        log(f"target: from turn 2 computed = the turn's new tokens with sessions: computed − new "
-            f"per turn {[round(e, 2) for e in extra]} — "
-            f"{'met' if exact else 'MISSED'} (the +1 is the previous answer's last token, "
-            f"sampled but never fed back)")
-        log(f"target: TTFT turn {last + 1} with sessions ≤ 1/3 of no-cache: "
-            f"{s['ttft'][last] * 1e3:.0f} ms vs {n['ttft'][last] * 1e3:.0f} ms = "
-            f"{ttft_ratio:.2f} — {'met' if ttft_ratio <= 1 / 3 else 'MISSED'}")
-    log.close()
+        report_turns(run, args, turns)
+    run.close()
     return 0
 
 

@@ -25,7 +25,6 @@ other load), and with ``--repeats`` the two systems alternate.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -37,12 +36,10 @@ import torch  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     DEFAULT_OUT,
+    Run,
     Tee,
-    machine_info,
     mean,
-    plt,
     ratio,
-    table,
     uniformish_lengths,
 )
 
@@ -118,7 +115,7 @@ def run_hf(model, requests: list[tuple[list[int], int]], batch_size: int, log: T
             "useful_tokens": useful, "generated_tokens": generated}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -133,33 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.num_requests, args.prompt_range, args.output_range = 8, "8,32", "4,12"
         args.batch_size = 4
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "throughput_quick" if args.quick else "throughput"
-    log = Tee(out / f"{stem}.txt")
-    log(f"# benchmarks/throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-    log(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {machine_info()}")
+    return args
 
-    from engine import LLM
-    from engine.loader import build_hf_model, load_model
 
-    log("loading the engine and the transformers model (same weights) ...")
-    llm = LLM(args.model, seed=args.seed)
-    loaded = load_model(args.model, torch.device("cpu"), torch.float32)
-    hf = build_hf_model(loaded)
-    hf.generation_config.eos_token_id = None  # run past EOS, like ignore_eos=True
-    vocab = llm.engine.vocab_size
-    pr = tuple(int(x) for x in args.prompt_range.split(","))
-    orr = tuple(int(x) for x in args.output_range.split(","))
-    requests = make_requests(args.num_requests, args.seed, pr, orr, vocab)
-    ps, os_ = [len(p) for p, _ in requests], [o for _, o in requests]
-    log(f"{len(requests)} requests: prompt {min(ps)}–{max(ps)} (mean {mean(ps):.0f}), output "
-        f"{min(os_)}–{max(os_)} (mean {mean(os_):.0f}); {sum(os_)} output tokens in all")
-
-    # warm-up (one tiny request each, not timed)
-    run_engine(llm, [(requests[0][0][:16], 2)], Tee(None))
-    run_hf(hf, [(requests[0][0][:16], 2)], 1, Tee(None))
-
+def alternate(args: argparse.Namespace, llm, hf, requests: list, log: Tee) -> dict:
+    """Each system's runs, ``--repeats`` times, the order alternating: {name: [run]}."""
     runs: dict[str, list[dict]] = {"engine": [], "transformers": []}
     for r in range(args.repeats):
         order = ("engine", "transformers") if r % 2 == 0 else ("transformers", "engine")
@@ -173,19 +148,18 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  {name}: {res['useful_tokens']} tokens in {res['wall_s']:.1f} s wall "
                 f"({res['tok_s']:.1f} tok/s), {res['cpu_s']:.1f} CPU-s "
                 f"({res['tok_cpu_s']:.1f} tok/CPU-s)")
+    return runs
 
+
+def report(run: Run, args: argparse.Namespace, runs: dict, requests: list) -> None:
+    """The bar plot and the table."""
     def agg(name: str, key: str) -> float:
         return mean(r[key] for r in runs[name])
 
     e_tps, h_tps = agg("engine", "tok_s"), agg("transformers", "tok_s")
     e_cps, h_cps = agg("engine", "tok_cpu_s"), agg("transformers", "tok_cpu_s")
-    raw = {"args": vars(args) | {"out": str(out)}, "runs": runs,
-           "requests": [[len(p), o] for p, o in requests]}
-    (out / f"{stem}.json").write_text(json.dumps(raw, indent=1))
 
-    pyplot = plt()
-    if pyplot is not None:
-        fig, ax = pyplot.subplots(figsize=(6, 3.8))
+    def bars(ax) -> None:
         names = ["engine (paged, continuous)", "transformers generate (batch 16)"]
         xs = range(2)
         ax.bar([x - 0.2 for x in xs], [e_tps, h_tps], width=0.4, label="tokens / wall s")
@@ -193,25 +167,50 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xticks(list(xs), names, fontsize=8)
         ax.set(ylabel="output tokens per second",
                title=f"offline throughput, {len(requests)} requests, SmolLM2-135M, CPU")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"{stem}.png", dpi=110)
-        pyplot.close(fig)
 
+    run.plot(f"{run.stem}.png", bars, figsize=(6, 3.8))
     e, h = runs["engine"][-1], runs["transformers"][-1]
-    log(f"\n## offline throughput, {len(requests)} requests ({sum(os_)} useful output tokens), "
-        f"mean of {args.repeats} run(s)")
-    log(table([
+    run.section(f"offline throughput, {len(requests)} requests "
+                f"({sum(o for _, o in requests)} useful output tokens), "
+                f"mean of {args.repeats} run(s)", [
         ["output tokens/s (wall)", e_tps, h_tps, f"{ratio(e_tps, h_tps):.2f}×"],
         ["output tokens per CPU-second", e_cps, h_cps, f"{ratio(e_cps, h_cps):.2f}×"],
         ["wall seconds", agg("engine", "wall_s"), agg("transformers", "wall_s"),
          f"{ratio(agg('transformers', 'wall_s'), agg('engine', 'wall_s')):.2f}× faster"],
         ["tokens generated (incl. padding surplus)", e["generated_tokens"],
          h["generated_tokens"], ""],
-    ], ["figure", "engine", "transformers", "engine / transformers"]))
+    ], ["figure", "engine", "transformers", "engine / transformers"])
     verdict = "met" if ratio(e_tps, h_tps) >= 2 else "MISSED"
-    log(f"target engine ≥ 2× transformers (wall tokens/s): {ratio(e_tps, h_tps):.2f}× — {verdict}")
-    log.close()
+    run(f"target engine ≥ 2× transformers (wall tokens/s): {ratio(e_tps, h_tps):.2f}× — {verdict}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = Run(args.out, "throughput", quick=args.quick, argv=argv)
+
+    from engine import LLM
+    from engine.loader import build_hf_model, load_model
+
+    run("loading the engine and the transformers model (same weights) ...")
+    llm = LLM(args.model, seed=args.seed)
+    hf = build_hf_model(load_model(args.model, torch.device("cpu"), torch.float32))
+    hf.generation_config.eos_token_id = None  # run past EOS, like ignore_eos=True
+    pr = tuple(int(x) for x in args.prompt_range.split(","))
+    orr = tuple(int(x) for x in args.output_range.split(","))
+    requests = make_requests(args.num_requests, args.seed, pr, orr, llm.engine.vocab_size)
+    ps, os_ = [len(p) for p, _ in requests], [o for _, o in requests]
+    run(f"{len(requests)} requests: prompt {min(ps)}–{max(ps)} (mean {mean(ps):.0f}), output "
+        f"{min(os_)}–{max(os_)} (mean {mean(os_):.0f}); {sum(os_)} output tokens in all")
+
+    # warm-up (one tiny request each, not timed)
+    run_engine(llm, [(requests[0][0][:16], 2)], Tee(None))
+    run_hf(hf, [(requests[0][0][:16], 2)], 1, Tee(None))
+
+    runs = alternate(args, llm, hf, requests, run)
+    run.write_json({"args": vars(args) | {"out": str(args.out)}, "runs": runs,
+                    "requests": [[len(p), o] for p, o in requests]}, indent=1)
+    report(run, args, runs, requests)
+    run.close()
     return 0
 
 
