@@ -45,6 +45,7 @@ Method:
 """
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -60,6 +61,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import save_figure  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.loader import LoadedModel, build_hf_model, dummy_config, load_model  # noqa: E402
 from engine.model import AttentionMetadata  # noqa: E402
@@ -536,7 +538,7 @@ def hf_largest_batch(hf, requests, candidates: list[int], device: torch.device,
 # -- main --------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="dummy:llama-3.1-8b")
     ap.add_argument("--device", default="cuda")
@@ -570,16 +572,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="short lengths (prompts 8-64, outputs 4-32): a smoke test of the script")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("httpx", "urllib3", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return args
 
-    out_dir = Path(os.environ.get("OUT", "out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device(args.device)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32,
-             "float16": torch.float16}[args.dtype]
-    prompt_range, output_range = ((8, 64), (4, 32)) if args.quick else ((32, 1024), (32, 512))
+
+def run_info(args: argparse.Namespace, device: torch.device) -> dict:
+    """The device, the library versions and the arguments of this run."""
     import transformers
     info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__,
@@ -589,28 +586,21 @@ def main(argv: list[str] | None = None) -> None:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
-    log(f"{info}")
-    result: dict = {"info": info}
+    return info
 
-    copy_bw = copy_bandwidth(device)
-    result["copy_bandwidth_Bps"] = copy_bw
-    log(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
 
+def correctness_prompts(args: argparse.Namespace) -> list[list[int]]:
     rng = np.random.default_rng(args.seed + 1)
     hi = 16 if args.quick else 300
     vocab = (dummy_config(args.model.removeprefix("dummy:")).vocab_size
              if args.model.startswith("dummy:") else 1000)
-    correct_prompts = [rng.integers(0, vocab, size=int(n)).tolist()
-                       for n in rng.integers(4, hi, size=args.correct_prompts)]
-    corr: dict = {}
-    if not args.no_fp32_check and dtype != torch.float32:
-        corr["float32"] = fp32_correctness(args, device, correct_prompts)
+    return [rng.integers(0, vocab, size=int(n)).tolist()
+            for n in rng.integers(4, hi, size=args.correct_prompts)]
 
-    loaded = load_model(args.model, device, dtype, seed=args.seed, use_cache=False)
-    vocab = loaded.config.vocab_size
-    sync(device)
-    log(f"loaded {args.model}: {sum(t.numel() for t in loaded.state_dict.values()) / 1e9:.2f} "
-        f"B parameters")
+
+def start_engine(args: argparse.Namespace, loaded: LoadedModel, result: dict) -> LLM:
+    """The engine on the already loaded weights (shared, not copied); its set-up in
+    ``result["engine"]``."""
     start = time.perf_counter()
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -624,26 +614,31 @@ def main(argv: list[str] | None = None) -> None:
                         "kv_cache_gib": kv_gib, "graph_sizes": runner.graph_sizes}
     log(f"engine up in {result['engine']['init_s']:.1f}s: {runner.num_blocks} KV blocks "
         f"({kv_gib:.1f} GiB), {len(runner.graph_sizes)} decode graphs")
+    return llm
 
-    # correctness
-    hf = build_hf_model(loaded)
-    hf.generation_config.eos_token_id = None
-    log(f"correctness ({args.dtype}): {len(correct_prompts)} prompts x {args.correct_tokens} "
+
+def check_dtype(args: argparse.Namespace, llm: LLM, hf, loaded: LoadedModel,
+                prompts: list[list[int]], device: torch.device, corr: dict) -> None:
+    """Correctness in the run's dtype (again with the embedding scaled on a divergence when
+    ``--retry-embed-scale``), into ``corr``."""
+    log(f"correctness ({args.dtype}): {len(prompts)} prompts x {args.correct_tokens} "
         f"greedy tokens")
-    corr[args.dtype] = check_correctness(llm, hf, correct_prompts, args.correct_tokens, device)
-    if corr[args.dtype]["num_equal"] < len(correct_prompts) and args.retry_embed_scale:
+    corr[args.dtype] = check_correctness(llm, hf, prompts, args.correct_tokens, device)
+    if corr[args.dtype]["num_equal"] < len(prompts) and args.retry_embed_scale:
         embed = loaded.state_dict["model.embed_tokens.weight"]
         log(f"correctness again with the embedding scaled by {EMBED_SCALE:g}")
         embed.mul_(EMBED_SCALE)
         try:
             corr[f"{args.dtype}_embed_x16"] = check_correctness(
-                llm, hf, correct_prompts, args.correct_tokens, device)
+                llm, hf, prompts, args.correct_tokens, device)
         finally:
             embed.div_(EMBED_SCALE)
-    result["correctness"] = corr
 
-    # engine throughput
-    requests = make_requests(args.num_requests, vocab, args.seed, prompt_range, output_range)
+
+def measure_throughput(args: argparse.Namespace, llm: LLM, requests: list, copy_bw: float,
+                       device: torch.device, result: dict) -> dict:
+    """The engine's offline throughput (and its floor on CUDA; again with overlapped
+    scheduling toggled when ``--sync-baseline``), into ``result``; returns the main run."""
     log(f"throughput: {len(requests)} requests, prompts mean "
         f"{np.mean([len(p) for p, _ in requests]):.0f} tokens, outputs mean "
         f"{np.mean([o for _, o in requests]):.0f} tokens")
@@ -664,50 +659,97 @@ def main(argv: list[str] | None = None) -> None:
         llm.engine.async_scheduling = not llm.engine.async_scheduling
         log(f"the same with overlapped scheduling toggled: "
             f"{result['engine_throughput_other_mode']['output_tokens_per_s']:.0f} tok/s")
+    return et
 
-    # decode step roofline
+
+def measure_decode_steps(args: argparse.Namespace, llm: LLM, et: dict, copy_bw: float,
+                         device: torch.device, result: dict) -> None:
+    """CUDA only: the decode step against its roofline at each ``--decode-ctx``, the graph
+    replay of the throughput run's median full step, and a kernel profile."""
     result["decode_step"] = []
-    if device.type == "cuda":
-        for ctx in args.decode_ctx:
-            r = decode_step_roofline(llm, args.decode_batch, ctx, copy_bw, device)
-            result["decode_step"].append(r)
-            log(f"decode step batch {args.decode_batch} ctx {ctx}: {r}")
-        if et["full_decode_step_median_ctx"]:
-            rows = padded_batch_size(et["full_decode_step_median_rows"],
-                                     llm.engine.runner.graph_sizes)
-            r = decode_step_roofline(llm, rows, et["full_decode_step_median_ctx"], copy_bw,
-                                     device)
-            result["full_step_graph"] = r
-            log(f"graph replay of the full steps' median context: {r}")
-        if args.decode_batch in llm.engine.runner.graphs:
-            prof = profile_steps(llm, args.decode_batch, args.decode_ctx[0], copy_bw,
-                                 args.max_num_batched_tokens, device)
-            log(f"decode batch {args.decode_batch} ctx {prof['ctx']}: graph "
-                f"{prof['graph_s'] * 1e3:.2f} ms, eager {prof['eager_s'] * 1e3:.2f} ms; "
-                f"kernels (eager, 3 steps):\n{prof['kernel_table']}")
-            log(f"prefill forward {prof['prefill_tokens']} tokens: {prof['prefill_s'] * 1e3:.1f} "
-                f"ms = {prof['prefill_tflops']:.0f} TFLOP/s")
-            result["profile"] = {k: v for k, v in prof.items() if k != "kernel_table"}
+    if device.type != "cuda":
+        return
+    for ctx in args.decode_ctx:
+        r = decode_step_roofline(llm, args.decode_batch, ctx, copy_bw, device)
+        result["decode_step"].append(r)
+        log(f"decode step batch {args.decode_batch} ctx {ctx}: {r}")
+    if et["full_decode_step_median_ctx"]:
+        rows = padded_batch_size(et["full_decode_step_median_rows"],
+                                 llm.engine.runner.graph_sizes)
+        r = decode_step_roofline(llm, rows, et["full_decode_step_median_ctx"], copy_bw,
+                                 device)
+        result["full_step_graph"] = r
+        log(f"graph replay of the full steps' median context: {r}")
+    if args.decode_batch in llm.engine.runner.graphs:
+        prof = profile_steps(llm, args.decode_batch, args.decode_ctx[0], copy_bw,
+                             args.max_num_batched_tokens, device)
+        log(f"decode batch {args.decode_batch} ctx {prof['ctx']}: graph "
+            f"{prof['graph_s'] * 1e3:.2f} ms, eager {prof['eager_s'] * 1e3:.2f} ms; "
+            f"kernels (eager, 3 steps):\n{prof['kernel_table']}")
+        log(f"prefill forward {prof['prefill_tokens']} tokens: {prof['prefill_s'] * 1e3:.1f} "
+            f"ms = {prof['prefill_tflops']:.0f} TFLOP/s")
+        result["profile"] = {k: v for k, v in prof.items() if k != "kernel_table"}
 
-    del llm, runner
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32,
+             "float16": torch.float16}[args.dtype]
+    prompt_range, output_range = ((8, 64), (4, 32)) if args.quick else ((32, 1024), (32, 512))
+    info = run_info(args, device)
+    log(f"{info}")
+    result: dict = {"info": info}
+    copy_bw = copy_bandwidth(device)
+    result["copy_bandwidth_Bps"] = copy_bw
+    log(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
+
+    correct_prompts = correctness_prompts(args)
+    corr: dict = {}
+    if not args.no_fp32_check and dtype != torch.float32:
+        corr["float32"] = fp32_correctness(args, device, correct_prompts)
+    loaded = load_model(args.model, device, dtype, seed=args.seed, use_cache=False)
+    sync(device)
+    log(f"loaded {args.model}: {sum(t.numel() for t in loaded.state_dict.values()) / 1e9:.2f} "
+        f"B parameters")
+    llm = start_engine(args, loaded, result)
+    hf = build_hf_model(loaded)
+    hf.generation_config.eos_token_id = None
+    check_dtype(args, llm, hf, loaded, correct_prompts, device, corr)
+    result["correctness"] = corr
+
+    requests = make_requests(args.num_requests, loaded.config.vocab_size, args.seed,
+                             prompt_range, output_range)
+    et = measure_throughput(args, llm, requests, copy_bw, device, result)
+    measure_decode_steps(args, llm, et, copy_bw, device, result)
+    del llm
     release_memory(device)
     if device.type == "cuda":
         log(f"engine freed; {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
-
     if dtype != torch.float32:
         agreement = fp32_reference_agreement(loaded, correct_prompts, corr[args.dtype], device)
         corr[args.dtype]["fp32_reference"] = agreement
         log(f"{args.dtype} vs the float32 computation of the same weights: {agreement}")
-
-    # transformers baseline
-    if not args.no_hf:
+    if not args.no_hf:  # the transformers baseline
         result["hf_throughput"] = hf_baseline(hf, requests, args, device, et)
         result["ratio"] = et["output_tokens_per_s"] / result["hf_throughput"]["output_tokens_per_s"]
 
     (out_dir / "gpu_e2e.json").write_text(json.dumps(result, indent=2))
-    plot(result, out_dir / "gpu_e2e.png")
+    save_figure(out_dir / "gpu_e2e.png", functools.partial(plot, result), ncols=2,
+                figsize=(10, 4), dpi=120)
+    print_summary(args, result, corr, copy_bw)
+    print_steps(args, result)
 
-    # table last
+
+def print_summary(args: argparse.Namespace, result: dict, corr: dict, copy_bw: float) -> None:
+    """The table, last: set-up, correctness and throughput."""
+    info, et = result["info"], result["engine_throughput"]
     print()
     print(f"{info['device']}; torch {info['torch']}, triton {info['triton']}, transformers "
           f"{info['transformers']}; {args.model} {args.dtype}; copy bw {copy_bw / 1e9:.0f} GB/s")
@@ -744,6 +786,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'transformers (b=' + str(hft['batch_size']) + ')':28}"
               f"{hft['output_tokens_per_s']:>10.0f}{hft['seconds_all']:>10.1f}  ({hft['how']})")
         print(f"throughput ratio engine / transformers: {result['ratio']:.1f}x")
+
+
+def print_steps(args: argparse.Namespace, result: dict) -> None:
+    """The table, last: decode steps against their roofline, graph and eager time, the
+    profile, the steady decode step against its graph alone."""
+    et = result["engine_throughput"]
+    other = result.get("engine_throughput_other_mode")
     for r in result["decode_step"]:
         if "skipped" in r:
             print(f"decode step: skipped ({r['skipped']})")
@@ -809,14 +858,9 @@ def runner_blocks(result: dict) -> int:
     return result["engine"]["num_kv_blocks"]
 
 
-def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+def plot(result: dict, throughput_ax, decode_ax) -> None:
+    """Offline throughput (engine, its floor, transformers) and the decode step against its
+    roofline."""
     et, hft = result["engine_throughput"], result.get("hf_throughput")
     bars = {"chatgate engine": et["output_tokens_per_s"]}
     if "floor" in result:
@@ -824,21 +868,18 @@ def plot(result: dict, path: Path) -> None:
     if hft:
         mode = "compiled" if hft["compiled"] else "eager"
         bars[f"transformers\nstatic, {mode}, b={hft['batch_size']}"] = hft["output_tokens_per_s"]
-    axes[0].bar(list(bars), list(bars.values()), color=[f"C{i}" for i in range(len(bars))])
-    axes[0].set_ylabel("output tokens/s")
-    axes[0].set_title("Offline throughput")
+    throughput_ax.bar(list(bars), list(bars.values()), color=[f"C{i}" for i in range(len(bars))])
+    throughput_ax.set_ylabel("output tokens/s")
+    throughput_ax.set_title("Offline throughput")
     steps = [r for r in result["decode_step"] if "skipped" not in r]
     if steps:
         labels = [f"ctx {r['ctx']}" for r in steps]
         x = np.arange(len(steps))
-        axes[1].bar(x - 0.2, [r["step_s"] * 1e3 for r in steps], 0.4, label="measured")
-        axes[1].bar(x + 0.2, [r["roofline_s"] * 1e3 for r in steps], 0.4, label="roofline")
-        axes[1].set_xticks(x, labels)
-        axes[1].set_ylabel("ms")
-        axes[1].set_title(f"Decode step, batch {steps[0]['batch']}")
-        axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        decode_ax.bar(x - 0.2, [r["step_s"] * 1e3 for r in steps], 0.4, label="measured")
+        decode_ax.bar(x + 0.2, [r["roofline_s"] * 1e3 for r in steps], 0.4, label="roofline")
+        decode_ax.set_xticks(x, labels)
+        decode_ax.set_ylabel("ms")
+        decode_ax.set_title(f"Decode step, batch {steps[0]['batch']}")
 
 
 if __name__ == "__main__":
