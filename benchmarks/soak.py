@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -35,10 +36,9 @@ import httpx  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     DEFAULT_OUT,
     ROOT,
+    Run,
     Tee,
     machine_info,
-    open_log,
-    plt,
     table,
 )
 from benchmarks.serving import TOPICS, free_port  # noqa: E402
@@ -185,29 +185,21 @@ async def soak(url: str, gateway: int, engine: int, args: argparse.Namespace,
     return minutes
 
 
-def plot(minutes: list[Minute], path: Path) -> None:
-    pyplot = plt()
-    if pyplot is None:
-        return
+def plot(minutes: list[Minute], rss_ax, fds_ax, blocks_ax) -> None:
     x = [m.minute for m in minutes]
-    fig, axes = pyplot.subplots(1, 3, figsize=(15, 4))
-    axes[0].plot(x, [m.gateway_rss_mib for m in minutes], label="gateway")
-    axes[0].plot(x, [m.engine_rss_mib for m in minutes], label="engine")
-    axes[0].set(title="RSS (MiB)", xlabel="minute", ylim=(0, None))
-    axes[1].plot(x, [m.gateway_fds for m in minutes], label="gateway")
-    axes[1].plot(x, [m.engine_fds for m in minutes], label="engine")
-    axes[1].set(title="open file descriptors", xlabel="minute", ylim=(0, None))
-    axes[2].plot(x, [m.blocks_used for m in minutes], label="in use")
-    axes[2].plot(x, [m.blocks_pinned for m in minutes], label="pinned by sessions")
-    axes[2].plot(x, [m.errors for m in minutes], label="errors / min")
-    axes[2].set(title="KV blocks, errors", xlabel="minute", ylim=(0, None))
-    for ax in axes:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    rss_ax.plot(x, [m.gateway_rss_mib for m in minutes], label="gateway")
+    rss_ax.plot(x, [m.engine_rss_mib for m in minutes], label="engine")
+    rss_ax.set(title="RSS (MiB)", xlabel="minute", ylim=(0, None))
+    fds_ax.plot(x, [m.gateway_fds for m in minutes], label="gateway")
+    fds_ax.plot(x, [m.engine_fds for m in minutes], label="engine")
+    fds_ax.set(title="open file descriptors", xlabel="minute", ylim=(0, None))
+    blocks_ax.plot(x, [m.blocks_used for m in minutes], label="in use")
+    blocks_ax.plot(x, [m.blocks_pinned for m in minutes], label="pinned by sessions")
+    blocks_ax.plot(x, [m.errors for m in minutes], label="errors / min")
+    blocks_ax.set(title="KV blocks, errors", xlabel="minute", ylim=(0, None))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=int, default=30)
@@ -223,15 +215,39 @@ def main(argv: list[str] | None = None) -> int:
     args.interval = 60.0
     if args.quick:
         args.minutes, args.interval, args.concurrency, args.max_tokens = 2, 5.0, 2, 4
-    args.out.mkdir(parents=True, exist_ok=True)
-    log, _ = open_log(args.out, "soak", False, argv)
+    return args
+
+
+def report(run: Run, minutes: list[Minute], leaked: int, argv: list[str] | None) -> None:
+    """The per-minute table, the summary line, the raw JSON and the plot."""
+    rows = [[m.minute, f"{m.gateway_rss_mib:.0f}", f"{m.engine_rss_mib:.0f}", m.gateway_fds,
+             m.engine_fds, m.blocks_used, m.blocks_pinned, m.requests, m.aborts, m.errors]
+            for m in minutes]
+    run(table(rows, ["min", "gw RSS MiB", "engine RSS MiB", "gw fds", "engine fds",
+                     "blocks used", "pinned", "requests", "aborts", "errors"]))
+    first, end = minutes[0], minutes[-1]
+    run(f"RSS gateway {first.gateway_rss_mib:.0f} -> {end.gateway_rss_mib:.0f} MiB, engine "
+        f"{first.engine_rss_mib:.0f} -> {end.engine_rss_mib:.0f} MiB; fds "
+        f"{first.gateway_fds}/{first.engine_fds} -> {end.gateway_fds}/{end.engine_fds}; "
+        f"requests {sum(m.requests for m in minutes)}, aborts {sum(m.aborts for m in minutes)}, "
+        f"errors {sum(m.errors for m in minutes)}; KV blocks in use after the load and every "
+        f"session deleted: {leaked}")
+    run.write_json({"argv": sys.argv[1:] if argv is None else argv, "machine": machine_info(),
+                    "minutes": [asdict(m) for m in minutes], "blocks_in_use_at_end": leaked},
+                   indent=1)
+    run.plot("soak.png", functools.partial(plot, minutes), ncols=3, figsize=(15, 4))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = Run(args.out, "soak", argv=argv)
     port = free_port()
     cmd = [sys.executable, "-m", "chatgate.cli", "serve", "--port", str(port), "--model",
            args.model, "--log-level", "warning"]
     if args.redis_url:
         prefix = f"soak-{uuid.uuid4().hex[:8]}"
         cmd += ["--redis-url", args.redis_url, "--redis-prefix", prefix]
-        log(f"session store: Redis at {args.redis_url}, key prefix {prefix}")
+        run(f"session store: Redis at {args.redis_url}, key prefix {prefix}")
     server_log = Path(tempfile.gettempdir()) / "soak_server.log"
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=server_log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -248,9 +264,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1)
         engine = engine_pid(proc.pid)
         args.served_model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        log(f"server up (gateway pid {proc.pid}, engine pid {engine}); {args.minutes} min at "
+        run(f"server up (gateway pid {proc.pid}, engine pid {engine}); {args.minutes} min at "
             f"concurrency {args.concurrency}, {args.max_tokens} tokens a turn")
-        minutes = asyncio.run(soak(url, proc.pid, engine, args, log))
+        minutes = asyncio.run(soak(url, proc.pid, engine, args, run))
         for s in httpx.get(url + "/v1/sessions", timeout=30).json()["data"]:
             httpx.delete(f"{url}/v1/sessions/{s['id']}", headers=JSON, timeout=30)
         time.sleep(2)
@@ -258,23 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
-    rows = [[m.minute, f"{m.gateway_rss_mib:.0f}", f"{m.engine_rss_mib:.0f}", m.gateway_fds,
-             m.engine_fds, m.blocks_used, m.blocks_pinned, m.requests, m.aborts, m.errors]
-            for m in minutes]
-    log(table(rows, ["min", "gw RSS MiB", "engine RSS MiB", "gw fds", "engine fds",
-                     "blocks used", "pinned", "requests", "aborts", "errors"]))
-    first, end = minutes[0], minutes[-1]
     leaked = final["num_blocks_used"]
-    log(f"RSS gateway {first.gateway_rss_mib:.0f} -> {end.gateway_rss_mib:.0f} MiB, engine "
-        f"{first.engine_rss_mib:.0f} -> {end.engine_rss_mib:.0f} MiB; fds "
-        f"{first.gateway_fds}/{first.engine_fds} -> {end.gateway_fds}/{end.engine_fds}; "
-        f"requests {sum(m.requests for m in minutes)}, aborts {sum(m.aborts for m in minutes)}, "
-        f"errors {sum(m.errors for m in minutes)}; KV blocks in use after the load and every "
-        f"session deleted: {leaked}")
-    (args.out / "soak.json").write_text(json.dumps(
-        {"argv": sys.argv[1:] if argv is None else argv, "machine": machine_info(),
-         "minutes": [asdict(m) for m in minutes], "blocks_in_use_at_end": leaked}, indent=1))
-    plot(minutes, args.out / "soak.png")
+    report(run, minutes, leaked, argv)
+    run.close()
     return 0 if leaked == 0 and not any(m.errors for m in minutes) else 1
 
 
