@@ -37,6 +37,11 @@ class _EngineCollector(Collector):
         g.add_metric(self._labels, value)
         return g
 
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+        c.add_metric(self._labels, value)
+        return c
+
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         s = self._get_stats()
         yield self._gauge("num_requests_running", "Requests in the running batch.",
@@ -53,11 +58,30 @@ class _EngineCollector(Collector):
                           "Measured fraction of allocated KV slots holding no token (0-1).",
                           s.kv_waste)
         yield self._gauge("num_free_blocks", "Free KV blocks.", s.num_blocks_free)
-        c = CounterMetricFamily(PREFIX + "num_preemptions",
-                                "Requests preempted (recomputed) for lack of KV blocks.",
-                                labels=LABELS)
-        c.add_metric(self._labels, s.num_preemptions)
-        yield c
+        yield self._counter("num_preemptions",
+                            "Requests preempted (recomputed) for lack of KV blocks.",
+                            s.num_preemptions)
+        yield from self._host_tier(s)
+
+    def _host_tier(self, s: EngineStats) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        """The host KV tier (--kv-offloading-size); zeros when it is off."""
+        total = s.host_kv_blocks_total
+        yield self._gauge("host_kv_cache_usage_perc",
+                          "Fraction of host-tier KV blocks stored or being stored (0-1).",
+                          s.host_kv_blocks_used / total if total else 0.0)
+        yield self._counter("host_cache_hits",
+                            "Prompt tokens served from the host KV tier (part of the prefix "
+                            "cache hits).", s.host_cache_hits)
+        yield self._counter("kv_offload_blocks", "KV blocks copied from the device to the "
+                            "host tier.", s.num_blocks_offloaded)
+        yield self._counter("kv_reload_blocks", "KV blocks copied back from the host tier to "
+                            "the device.", s.num_blocks_reloaded)
+        yield self._counter("kv_offload_bytes", "Bytes copied from the device to the host "
+                            "tier.", s.kv_offload_bytes)
+        yield self._counter("kv_reload_bytes", "Bytes copied from the host tier to the device.",
+                            s.kv_reload_bytes)
+        yield self._counter("kv_reload_seconds", "Device time of the copies from the host tier "
+                            "back to the device.", s.kv_reload_seconds)
 
 
 class Metrics:
