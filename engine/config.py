@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 
+from engine.quantization import QUANTIZATIONS
+
 BLOCK_SIZES = (8, 16, 32)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # KV cache element types (vLLM's names): "auto" is the model's dtype; "fp8" (or "fp8_e4m3")
 # stores float8_e4m3fn codes with one K and one V scale per layer.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-QUANTIZATIONS = ("int8",)
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None) -> Any:  # noqa: A002
@@ -64,8 +65,9 @@ class EngineConfig:
     admission_batch: int | None = _flag(None, "while requests run, admit waiting ones once "
                                               "this many slots are free (default: "
                                               "max-num-seqs/16 with CUDA graphs, else 1)")
-    quantization: str | None = _flag(None, "weight-only int8 linear layers (CPU): a quarter of "
-                                           "float32's bytes per step", QUANTIZATIONS)
+    quantization: str | None = _flag(None, "weight-only int8 or int4 linear layers (CPU): a "
+                                           "quarter or an eighth of float32's bytes per step",
+                                     QUANTIZATIONS)
     # Overlapped scheduling (vLLM's --async-scheduling): while the device runs a step, the host
     # reads the previous one's tokens and schedules the next; a finished request computes one
     # extra token, discarded. Rows with grammars or penalties are sampled once the previous

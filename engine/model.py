@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kernels
-from engine.quantization import Int8Linear, check_quantization
+from engine.quantization import Int8Linear, QuantizedLinear, check_quantization, quantized_linear
 
 
 @dataclass
@@ -35,7 +35,7 @@ class AttentionMetadata:
     plan: kernels.reference.AttentionPlan | None = None
 
 
-Weight = torch.Tensor | Int8Linear
+Weight = torch.Tensor | QuantizedLinear
 
 
 @dataclass
@@ -60,7 +60,7 @@ class _Layer:
 
 
 def _linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, Int8Linear):
+    if not isinstance(weight, torch.Tensor):
         return weight(x)
     return F.linear(x, weight, bias)
 
@@ -95,8 +95,8 @@ class LlamaModel:
                 self._fuse(weights, i, layer)
         if quantization is not None:
             for layer in self.layers:
-                self._quantize(layer)
-            self.lm_head = Int8Linear(self.lm_head)
+                self._quantize(layer, quantization)
+            self.lm_head = Int8Linear(self.lm_head)  # see engine/quantization.py
         rotary = LlamaRotaryEmbedding(config).to(self.device)
         positions = torch.arange(max_positions, device=self.device)[None, :]
         cos, sin = rotary(self.embed[:1], positions)
@@ -144,13 +144,15 @@ class LlamaModel:
         w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = layer.gate, layer.up
 
     @staticmethod
-    def _quantize(layer: _Layer) -> None:
-        """Int8 in place of the fused layer's matrices (the float ones are dropped)."""
+    def _quantize(layer: _Layer, quantization: str) -> None:
+        """Quantized layers in place of the fused layer's matrices (the float ones are
+        dropped)."""
         assert layer.qkv is not None and layer.gate_up is not None
-        layer.qkv = Int8Linear(layer.qkv, layer.qkv_bias)
+        layer.qkv = quantized_linear(quantization, layer.qkv, layer.qkv_bias)
         layer.qkv_bias = None
-        layer.gate_up = Int8Linear(layer.gate_up)
-        layer.o, layer.down = Int8Linear(layer.o), Int8Linear(layer.down)
+        layer.gate_up = quantized_linear(quantization, layer.gate_up)
+        layer.o = quantized_linear(quantization, layer.o)
+        layer.down = quantized_linear(quantization, layer.down)
         empty = layer.input_norm.new_empty(0)
         layer.q = layer.k = layer.v = layer.gate = layer.up = empty
 

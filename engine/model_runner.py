@@ -158,7 +158,8 @@ class ModelRunner:
             slot_mapping=self._to_device(np.repeat(first_block * bs, lens) + positions),
             block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
             max_query_len=max(lens), max_seq_len=max(lens),
-            plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc, bs),
+            plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc, bs,
+                                        self.model.num_kv_heads),
         )
         return meta, self._to_device(positions)
 
@@ -254,7 +255,7 @@ class ModelRunner:
             max_query_len=host["max_query_len"],
             max_seq_len=host["max_seq_len"],
             plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc,
-                                        self.block_size),
+                                        self.block_size, self.model.num_kv_heads),
         )
         input_ids = self._to_device(host["input_ids"])
         if feed is not None:

@@ -1,18 +1,25 @@
 """Weight-only quantized linear layers for the CPU (``--quantization``, vLLM's flag).
 
 A CPU decode step is a pass over the weights, so its time is their bytes: float32 reads 4
-bytes per weight, ``int8`` 1. Weights are quantized symmetrically per output channel (one
-scale each); activations go through torch's packed int8 kernel in bfloat16 (with float32
-activations the same kernel is several times slower), and the result comes back in the
-input's dtype. The float32 path stays the default: greedy output equals transformers' only
-there.
+bytes per weight, ``int8`` 1, ``int4`` half of one. Activations go through torch's packed
+kernels in bfloat16 (with float32 activations the same kernels are several times slower) and
+the result comes back in the input's dtype. The float32 path stays the default of the engine:
+greedy output equals transformers' only there.
+
+- ``int8``: symmetric, one scale per output channel (``_weight_int8pack_mm``).
+- ``int4``: asymmetric groups of 32 input weights, each with a scale and a minimum
+  (``_weight_int4pack_mm_for_cpu``): the layout of GGUF's Q4_1 blocks. Quantizing Q4_1-derived
+  weights by each group's min and max gives back the GGUF's own 4-bit codes, so the model
+  computes with the very weights llama.cpp reads. The output layer (tied to the embedding,
+  Q8_0 in the packaged GGUF) stays ``int8``: 4 bits there cost more accuracy than the rest.
 """
 
 from __future__ import annotations
 
 import torch
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP = 32  # Q4_1's block size
 
 
 class Int8Linear:
@@ -35,6 +42,49 @@ class Int8Linear:
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for checks)."""
         return self.weight.to(torch.float32) * self.scales.to(torch.float32)[:, None]
+
+
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight [n, k]`` as 4-bit ``codes [n, k]`` (int32, 0..15) in groups of
+    :data:`INT4_GROUP` along ``k``, with each group's ``scale`` and ``minimum`` ``[n, k / 32]``
+    (float32): ``w ≈ scale * code + minimum``, exactly Q4_1's rule."""
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"int4 needs input widths divisible by {INT4_GROUP}, got {k}")
+    groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15.0).clamp(min=1e-30)
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15)
+    return codes.to(torch.int32).view(n, k), scale, low
+
+
+class Int4Linear:
+    """``F.linear(x, weight, bias)`` with ``weight`` as :func:`int4_groups`, packed for the
+    CPU kernel (half a byte per weight plus two bfloat16 numbers per group)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        codes, scale, low = int4_groups(weight)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+        # the kernel's form: w = (code - 8) * scale + zero, [k / group, n, 2] in bfloat16
+        self.scales_and_zeros = torch.stack([scale, low + 8.0 * scale], dim=-1).transpose(
+            0, 1).contiguous().to(torch.bfloat16)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, INT4_GROUP,
+                                              self.scales_and_zeros)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+QuantizedLinear = Int8Linear | Int4Linear
+
+
+def quantized_linear(quantization: str, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> QuantizedLinear:
+    """The layer of ``quantization`` (one of :data:`QUANTIZATIONS`) computing with ``weight``."""
+    return (Int4Linear if quantization == "int4" else Int8Linear)(weight, bias)
 
 
 def check_quantization(quantization: str | None, device: torch.device) -> None:

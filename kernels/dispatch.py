@@ -58,13 +58,14 @@ def paged_attention(
 
 
 def attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, block_size: int
+                   query_start_loc: torch.Tensor, block_size: int, num_kv_heads: int
                    ) -> reference.AttentionPlan | None:
     """The index work of a step's attention, shared by all its layers: computed once per step
     on the CPU; None on CUDA (the kernels index the block tables themselves)."""
     if block_tables.is_cuda:
         return None
-    return reference.attention_plan(block_tables, seq_lens, query_start_loc, block_size)
+    return reference.attention_plan(block_tables, seq_lens, query_start_loc, block_size,
+                                    num_kv_heads)
 
 
 def _fused_or_reference(t: torch.Tensor):

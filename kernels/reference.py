@@ -54,47 +54,67 @@ def reshape_and_cache(
         flat.index_copy_(0, slots, new)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype,
-            scale: float) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence as ``[length, num_kv_heads, head_dim]``."""
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    blocks = _select(cache, block_table[:num_blocks].long())
-    return from_cache(blocks.view(-1, *cache.shape[2:])[:length], dtype, scale)
+def _head_major(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype,
+                scale: float) -> torch.Tensor:
+    """Rows ``index`` of ``cache`` seen as ``[slots * num_kv_heads, head_dim]``: one gather
+    straight into the layout the attention's matrix products read (see :class:`AttentionPlan`)."""
+    return from_cache(_select(cache.view(-1, cache.shape[-1]), index), dtype, scale)
+
+
+def _slot_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[..., n]`` cache slots as the row index of ``[..., num_kv_heads, n]`` head vectors."""
+    heads = torch.arange(num_kv_heads, device=slots.device)[:, None]
+    return (slots.unsqueeze(-2) * num_kv_heads + heads).flatten()
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
     """The index work of one step's attention, the same for every layer: computed once per step
-    (:func:`attention_plan`) instead of once per layer."""
+    (:func:`attention_plan`) instead of once per layer.
+
+    Each layer then reads its cache with one gather per sequence group, straight into
+    head-major ``[rows, num_kv_heads, length, head_dim]``: the query heads that share a KV
+    head multiply it as one matrix (no copy per query head, no padded block copy)."""
 
     lens: list[int]
     starts: list[int]
     extend_rows: list[int]  # sequences with more than one query token
+    extend_index: list[torch.Tensor]  # each one's [num_kv_heads, len] cache rows, flattened
     decode_rows: list[int]  # sequences with one query token
-    decode_blocks: torch.Tensor  # their blocks, [len(decode_rows) * blocks], padded alike
+    decode_index: torch.Tensor  # their [rows, num_kv_heads, decode_len] cache rows, flattened
     decode_len: int  # their longest context
-    decode_mask: torch.Tensor  # [len(decode_rows), 1, 1, decode_len]: keys within each context
+    decode_pad: torch.Tensor | None  # [rows, 1, 1, decode_len]: True past a context; None if none
     decode_tokens: torch.Tensor | None  # their query rows; None when they are all rows in order
 
 
 def attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, block_size: int) -> AttentionPlan:
+                   query_start_loc: torch.Tensor, block_size: int,
+                   num_kv_heads: int) -> AttentionPlan:
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
     decode_rows = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
     extend_rows = [i for i in range(len(lens)) if starts[i + 1] - starts[i] > 1]
     device = block_tables.device
+    tables = block_tables.long()
+
+    def slots(rows: list[int], length: int) -> torch.Tensor:
+        """Each row's first ``length`` cache slots ``[len(rows), length]``."""
+        t = torch.arange(length, device=device)
+        index = torch.tensor(rows, device=device, dtype=torch.long)
+        return tables.index_select(0, index)[:, t // block_size] * block_size + t % block_size
+
+    extend_index = [_slot_rows(slots([i], lens[i])[0], num_kv_heads) for i in extend_rows]
     longest = max((lens[i] for i in decode_rows), default=0)
-    num_blocks = -(-longest // block_size)
-    index = torch.tensor(decode_rows, device=device, dtype=torch.long)
-    blocks = block_tables.index_select(0, index)[:, :num_blocks].long().flatten()
     row_lens = torch.tensor([lens[i] for i in decode_rows], device=device)
-    mask = torch.arange(longest, device=device)[None, :] < row_lens[:, None]
+    pad = torch.arange(longest, device=device)[None, :] >= row_lens[:, None]
+    # a padded position reads the row's first slot (any valid slot; the mask drops it)
+    decode_slots = slots(decode_rows, longest)
+    decode_slots = torch.where(pad, decode_slots[:, :1], decode_slots)
     tokens = [starts[i] for i in decode_rows]
     in_order = tokens == list(range(starts[-1]))
-    return AttentionPlan(lens, starts, extend_rows, decode_rows, blocks, longest,
-                         mask[:, None, None, :],
+    return AttentionPlan(lens, starts, extend_rows, extend_index, decode_rows,
+                         _slot_rows(decode_slots, num_kv_heads), longest,
+                         pad[:, None, None, :] if bool(pad.any()) else None,
                          None if in_order else torch.tensor(tokens, device=device))
 
 
@@ -117,12 +137,13 @@ def paged_attention(
     every layer of the step. ``k_scale``/``v_scale``: the layer's FP8 cache scales."""
     out = torch.empty_like(query) if out is None else out
     if plan is None:
-        plan = attention_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1])
+        plan = attention_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
+                              key_cache.shape[2])
     if plan.decode_rows:
         _decode(query, key_cache, value_cache, plan, scale, out, k_scale, v_scale)
-    for i in plan.extend_rows:
+    for i, index in zip(plan.extend_rows, plan.extend_index, strict=True):
         begin, end = plan.starts[i], plan.starts[i + 1]
-        _extend(query[begin:end], key_cache, value_cache, block_tables[i], plan.lens[i], scale,
+        _extend(query[begin:end], key_cache, value_cache, index, plan.lens[i], scale,
                 out[begin:end], k_scale, v_scale)
     return out
 
@@ -131,7 +152,7 @@ def _extend(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    index: torch.Tensor,
     length: int,
     scale: float,
     out: torch.Tensor,
@@ -139,15 +160,15 @@ def _extend(
     v_scale: float,
 ) -> None:
     """Many queries of one sequence: causal over the new tokens, full over the cached prefix."""
-    q_len = q.shape[0]
-    k = _gather(key_cache, block_table, length, q.dtype, k_scale)
-    v = _gather(value_cache, block_table, length, q.dtype, v_scale)
-    positions = torch.arange(length - q_len, length, device=q.device)
-    mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, scale=scale, enable_gqa=True,
-    )
+    q_len, num_kv_heads = q.shape[0], key_cache.shape[2]
+    k = _head_major(key_cache, index, q.dtype, k_scale).view(num_kv_heads, length, -1)
+    v = _head_major(value_cache, index, q.dtype, v_scale).view(num_kv_heads, length, -1)
+    mask = None
+    if q_len < length:  # a cached prefix: SDPA's is_causal would align the wrong corner
+        positions = torch.arange(length - q_len, length, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask,
+                                       is_causal=mask is None, scale=scale, enable_gqa=True)
     out.copy_(o.transpose(0, 1))
 
 
@@ -161,19 +182,21 @@ def _decode(
     k_scale: float,
     v_scale: float,
 ) -> None:
-    """One query per sequence: pad every context to the longest and mask the padding."""
-    rows, longest = len(plan.decode_rows), plan.decode_len
-    shape = (rows, plan.decode_blocks.numel() // rows * key_cache.shape[1], *key_cache.shape[2:])
-    k = from_cache(_select(key_cache, plan.decode_blocks).view(shape)[:, :longest], query.dtype,
-                   k_scale)
-    v = from_cache(_select(value_cache, plan.decode_blocks).view(shape)[:, :longest],
-                   query.dtype, v_scale)
+    """One query per sequence, all sequences in two batched matrix products: each KV head's
+    group of query heads against its keys ``[rows, num_kv_heads, group, length]``."""
+    rows, length = len(plan.decode_rows), plan.decode_len
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    shape = (rows, num_kv_heads, length, head_dim)
+    k = _head_major(key_cache, plan.decode_index, query.dtype, k_scale).view(shape)
+    v = _head_major(value_cache, plan.decode_index, query.dtype, v_scale).view(shape)
     tokens = plan.decode_tokens
-    q = (query if tokens is None else query[tokens]).unsqueeze(2)
-    o = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=plan.decode_mask, scale=scale, enable_gqa=True,
-    ).squeeze(2)
+    q = (query if tokens is None else query[tokens]).view(rows, num_kv_heads, -1, head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if plan.decode_pad is not None:
+        scores.masked_fill_(plan.decode_pad, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))
+    o = torch.matmul(weights.to(q.dtype), v)
+    o = o.view(rows, -1, head_dim)
     if tokens is None:
         out.copy_(o)
     else:

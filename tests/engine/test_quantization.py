@@ -1,12 +1,17 @@
-"""Weight-only int8 on the CPU: the layer computes with its dequantized weight, the engine's
-teacher-forced greedy choice stays float32's, and a mode the device cannot run is refused."""
+"""Weight-only int8 and int4 on the CPU: each layer computes with its dequantized weight, int4
+recovers the GGUF's own Q4_1 codes, the engine's teacher-forced greedy choice stays float32's,
+and a mode the device cannot run is refused."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGUFReader
+from gguf.quants import dequantize
 
 from engine import LLM
-from engine.quantization import Int8Linear, check_quantization
+from engine.loader.gguf import smollm2_gguf_path
+from engine.quantization import INT4_GROUP, Int4Linear, Int8Linear, check_quantization, int4_groups
 from tests.engine.conftest import teacher_forced_agreement
 
 
@@ -24,6 +29,36 @@ def test_int8_linear_matches_its_dequantized_weight_and_keeps_the_input_dtype() 
     assert torch.allclose(y, expected, rtol=2e-2, atol=2e-2)
 
 
+def test_int4_linear_matches_its_group_dequantized_weight() -> None:
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 64) * 0.05, torch.randn(96), torch.randn(5, 64)
+    codes, scale, low = int4_groups(weight)
+    assert codes.min() == 0 and codes.max() == 15
+    groups = codes.view(96, -1, INT4_GROUP).float()
+    dequantized = (groups * scale[..., None] + low[..., None]).view(96, 64)
+    assert torch.all((dequantized - weight).abs().view(96, -1, INT4_GROUP).amax(-1)
+                     <= scale * 0.5 * (1 + 1e-5))  # half a step per group
+    y = Int4Linear(weight, bias)(x)
+    assert y.dtype == torch.float32 and y.shape == (5, 96)
+    # bfloat16 activations, scales and result: a few parts in 1000
+    assert torch.allclose(y, F.linear(x, dequantized, bias), rtol=2e-2, atol=2e-2)
+
+
+def test_int4_recovers_the_packaged_ggufs_q4_1_codes() -> None:
+    """Q4_1 stores 32 weights as a scale ``d``, a minimum ``m`` and 4-bit codes; int4's groups
+    of the dequantized weights give back exactly those codes."""
+    reader = GGUFReader(smollm2_gguf_path())
+    tensor = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
+    assert tensor.tensor_type.name == "Q4_1"
+    rows = tensor.data.shape[0]
+    blocks = np.asarray(tensor.data).reshape(rows, -1, 20)  # d, m (float16), 16 code bytes
+    packed = blocks[..., 4:]
+    gguf_codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
+    weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
+    codes, _, _ = int4_groups(weight)
+    assert torch.equal(codes, torch.from_numpy(gguf_codes.astype(np.int32)))
+
+
 def test_unknown_or_gpu_quantization_is_refused() -> None:
     with pytest.raises(ValueError, match="one of"):
         check_quantization("int3", torch.device("cpu"))
@@ -32,7 +67,9 @@ def test_unknown_or_gpu_quantization_is_refused() -> None:
     check_quantization(None, torch.device("cuda"))
 
 
-def test_int8_engine_picks_float32s_greedy_token_at_nearly_every_forced_position() -> None:
-    quantized = LLM("smollm2", max_model_len=512, num_kv_blocks=256, quantization="int8")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_engine_picks_float32s_greedy_token_at_nearly_every_forced_position(
+        quantization: str) -> None:
+    quantized = LLM("smollm2", max_model_len=512, num_kv_blocks=256, quantization=quantization)
     agreement = teacher_forced_agreement(quantized)
     assert agreement >= 0.9, agreement
