@@ -30,11 +30,12 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
         flag = "--" + f.name.replace("_", "-")
         kinds = [a for a in typing.get_args(f.type) if a is not type(None)] or [f.type]
         kind = kinds[0]
+        default = f.metadata.get("serve_default", f.default)
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                help=f.metadata["help"])
         else:
-            group.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
+            group.add_argument(flag, type=kind, default=default, help=f.metadata["help"],
                                choices=f.metadata.get("choices"))
 
 

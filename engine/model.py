@@ -7,6 +7,7 @@ through ``kernels`` (fused Triton launches on CUDA that round where transformers
 op-by-op torch code on CPU).
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,15 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kernels
-from engine.quantization import Int8Linear, QuantizedLinear, check_quantization, quantized_linear
+from engine.quantization import (
+    Int8Linear,
+    QuantizedLinear,
+    check_quantization,
+    quantized_linear,
+    resolve_quantization,
+)
+
+logger = logging.getLogger("engine.model")
 
 
 @dataclass
@@ -85,7 +94,12 @@ class LlamaModel:
         self.lm_head: Weight = weights.get("lm_head.weight", self.embed)
         self.device = self.embed.device
         self.dtype = self.embed.dtype
+        quantization = resolve_quantization(
+            quantization, self.device, (config.hidden_size, config.intermediate_size,
+                                        self.num_heads * self.head_dim))
         check_quantization(quantization, self.device)
+        if quantization is not None:
+            logger.info("quantizing the linear layers to %s (%s)", quantization, self.device)
         self.layers = [self._layer(weights, i) for i in range(config.num_hidden_layers)]
         # CUDA: one GEMM for q/k/v and one for gate/up (fewer, larger kernels per step).
         # CPU keeps transformers' op-for-op numerics unless it quantizes.
@@ -177,7 +191,7 @@ class LlamaModel:
             v = v.view(n, self.num_kv_heads, self.head_dim)
             key_cache, value_cache = kv_cache[0, index], kv_cache[1, index]
             kernels.rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache,
-                                     meta.slot_mapping, k_scale, v_scale)
+                                     meta.slot_mapping, k_scale, v_scale, meta.plan)
             o = kernels.paged_attention(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,

@@ -154,12 +154,13 @@ class ModelRunner:
         block_tables = self._to_device(tables)
         seq_lens = self._to_device(np.asarray(lens, dtype=np.int32))
         query_start_loc = self._to_device(np.cumsum([0] + lens).astype(np.int32))
+        slot_mapping = self._to_device(np.repeat(first_block * bs, lens) + positions)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(np.repeat(first_block * bs, lens) + positions),
+            slot_mapping=slot_mapping,
             block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
             max_query_len=max(lens), max_seq_len=max(lens),
-            plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc, bs,
-                                        self.model.num_kv_heads),
+            plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc, slot_mapping,
+                                        bs, self.model.num_kv_heads),
         )
         return meta, self._to_device(positions)
 
@@ -247,14 +248,15 @@ class ModelRunner:
         block_tables = self._to_device(host["block_tables"])
         seq_lens = self._to_device(host["seq_lens"])
         query_start_loc = self._to_device(host["query_start_loc"])
+        slot_mapping = self._to_device(host["slot_mapping"])
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(host["slot_mapping"]),
+            slot_mapping=slot_mapping,
             block_tables=block_tables,
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
             max_query_len=host["max_query_len"],
             max_seq_len=host["max_seq_len"],
-            plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc,
+            plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc, slot_mapping,
                                         self.block_size, self.model.num_kv_heads),
         )
         input_ids = self._to_device(host["input_ids"])

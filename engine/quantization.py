@@ -19,6 +19,9 @@ from __future__ import annotations
 import torch
 
 QUANTIZATIONS = ("int8", "int4")
+# what ``--quantization`` also takes: "auto" (``chatgate serve``'s default) is int4 on the CPU
+# when the model's widths allow it and unquantized elsewhere; "none" is unquantized
+CHOICES = (*QUANTIZATIONS, "auto", "none")
 INT4_GROUP = 32  # Q4_1's block size
 
 
@@ -85,6 +88,16 @@ def quantized_linear(quantization: str, weight: torch.Tensor,
                      bias: torch.Tensor | None = None) -> QuantizedLinear:
     """The layer of ``quantization`` (one of :data:`QUANTIZATIONS`) computing with ``weight``."""
     return (Int4Linear if quantization == "int4" else Int8Linear)(weight, bias)
+
+
+def resolve_quantization(choice: str | None, device: torch.device,
+                         widths: tuple[int, ...]) -> str | None:
+    """The layers ``choice`` (one of :data:`CHOICES`, or None) means for ``device`` and a model
+    whose linear layers read inputs of ``widths``: None for unquantized."""
+    if choice == "auto":
+        fits = all(w % INT4_GROUP == 0 for w in widths)
+        return "int4" if device.type == "cpu" and fits else None
+    return None if choice == "none" else choice
 
 
 def check_quantization(quantization: str | None, device: torch.device) -> None:

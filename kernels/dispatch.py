@@ -58,14 +58,14 @@ def paged_attention(
 
 
 def attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, block_size: int, num_kv_heads: int
-                   ) -> reference.AttentionPlan | None:
+                   query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+                   num_kv_heads: int) -> reference.AttentionPlan | None:
     """The index work of a step's attention, shared by all its layers: computed once per step
     on the CPU; None on CUDA (the kernels index the block tables themselves)."""
     if block_tables.is_cuda:
         return None
-    return reference.attention_plan(block_tables, seq_lens, query_start_loc, block_size,
-                                    num_kv_heads)
+    return reference.attention_plan(block_tables, seq_lens, query_start_loc, slot_mapping,
+                                    block_size, num_kv_heads)
 
 
 def _fused_or_reference(t: torch.Tensor):
@@ -115,8 +115,16 @@ def rotary_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    plan: reference.AttentionPlan | None = None,
 ) -> None:
     """Rotate ``query`` in place by each token's rotary rows ``cos``/``sin [num_tokens,
-    head_dim]``, and write the rotated ``key`` and ``value`` into their cache slots."""
-    _fused_or_reference(query).rotary_and_cache(query, key, value, cos, sin, key_cache,
-                                                value_cache, slot_mapping, k_scale, v_scale)
+    head_dim]``, and write the rotated ``key`` and ``value`` into their cache slots. ``plan``:
+    the step's :func:`attention_plan` (CPU)."""
+    if query.is_cuda:
+        from kernels import triton_fused
+
+        triton_fused.rotary_and_cache(query, key, value, cos, sin, key_cache, value_cache,
+                                      slot_mapping, k_scale, v_scale)
+    else:
+        reference.rotary_and_cache(query, key, value, cos, sin, key_cache, value_cache,
+                                   slot_mapping, k_scale, v_scale, plan)

@@ -43,12 +43,18 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    plan: "AttentionPlan | None" = None,
 ) -> None:
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
+    """``plan``: the step's :func:`attention_plan`, whose ``write_slots`` skip the search for
+    padding slots when there is none."""
+    if plan is not None and plan.write_slots is not None:
+        slots, keep = plan.write_slots, None
+    else:
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
     for rows, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
         flat = cache.view(-1, *cache.shape[2:])
-        new = to_cache(rows[keep], cache.dtype, scale)
+        new = to_cache(rows if keep is None else rows[keep], cache.dtype, scale)
         if cache.dtype == FP8:
             flat, new = flat.view(torch.uint8), new.view(torch.uint8)
         flat.index_copy_(0, slots, new)
@@ -85,10 +91,11 @@ class AttentionPlan:
     decode_len: int  # their longest context
     decode_pad: torch.Tensor | None  # [rows, 1, 1, decode_len]: True past a context; None if none
     decode_tokens: torch.Tensor | None  # their query rows; None when they are all rows in order
+    write_slots: torch.Tensor | None  # the step's cache slots (int64) if none is padding
 
 
 def attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, block_size: int,
+                   query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
                    num_kv_heads: int) -> AttentionPlan:
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
@@ -115,7 +122,8 @@ def attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     return AttentionPlan(lens, starts, extend_rows, extend_index, decode_rows,
                          _slot_rows(decode_slots, num_kv_heads), longest,
                          pad[:, None, None, :] if bool(pad.any()) else None,
-                         None if in_order else torch.tensor(tokens, device=device))
+                         None if in_order else torch.tensor(tokens, device=device),
+                         slot_mapping.long() if bool((slot_mapping >= 0).all()) else None)
 
 
 def paged_attention(
@@ -137,8 +145,9 @@ def paged_attention(
     every layer of the step. ``k_scale``/``v_scale``: the layer's FP8 cache scales."""
     out = torch.empty_like(query) if out is None else out
     if plan is None:
-        plan = attention_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
-                              key_cache.shape[2])
+        no_writes = torch.empty(0, dtype=torch.long, device=query.device)
+        plan = attention_plan(block_tables, seq_lens, query_start_loc, no_writes,
+                              key_cache.shape[1], key_cache.shape[2])
     if plan.decode_rows:
         _decode(query, key_cache, value_cache, plan, scale, out, k_scale, v_scale)
     for i, index in zip(plan.extend_rows, plan.extend_index, strict=True):
@@ -191,11 +200,14 @@ def _decode(
     v = _head_major(value_cache, plan.decode_index, query.dtype, v_scale).view(shape)
     tokens = plan.decode_tokens
     q = (query if tokens is None else query[tokens]).view(rows, num_kv_heads, -1, head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if plan.decode_pad is not None:
+    if plan.decode_pad is None:  # equal lengths: SDPA's fused kernel takes it as it is
+        o = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    else:
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
         scores.masked_fill_(plan.decode_pad, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))
-    o = torch.matmul(weights.to(q.dtype), v)
+        weights = torch.softmax(scores, dim=-1,
+                                dtype=torch.promote_types(q.dtype, torch.float32))
+        o = torch.matmul(weights.to(q.dtype), v)
     o = o.view(rows, -1, head_dim)
     if tokens is None:
         out.copy_(o)
@@ -221,9 +233,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin``, bit for bit: ``rotate_half(x)`` is
+    ``x``'s halves swapped with the new first half negated, and ``-a * s == a * -s`` exactly,
+    so the sign moves onto the first half of ``sin`` (``signed_sin``)."""
+    n, heads, dim = x.shape
+    swapped = x.view(n, heads, 2, dim // 2).flip(2).view(n, heads, dim)
+    return x * cos + swapped * signed_sin
 
 
 def rotary_and_cache(
@@ -237,11 +253,13 @@ def rotary_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    plan: AttentionPlan | None = None,
 ) -> None:
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    query.copy_(query * cos + _rotate_half(query) * sin)
-    key = key * cos + _rotate_half(key) * sin
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    half = cos.shape[-1] // 2
+    cos, signed_sin = cos.unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), -1)[:, None]
+    query.copy_(_rotate(query, cos, signed_sin))
+    reshape_and_cache(_rotate(key, cos, signed_sin), value, key_cache, value_cache,
+                      slot_mapping, k_scale, v_scale, plan)
 
 
 NOISE_GOLDEN, NOISE_MIX1, NOISE_MIX2 = 0x9E3779B1, 0x21F0AAAD, 0x735A2D97  # odd, < 2**32

@@ -139,7 +139,9 @@ def test_structured_quick(tmp_path, tiny_model, capsys):
 def test_quantization_quick(tmp_path, tiny_model, capsys):
     assert _load("quantization").main(["--quick", "--model", tiny_model, "--out",
                                        str(tmp_path)]) == 0
-    text = _check(tmp_path, "quantization_quick", capsys, "argmax = float32", "batch 1 tok/s")
-    assert "int8" in text
+    text = _check(tmp_path, "quantization_quick", capsys, "argmax = float32", "batch 1 tok/s",
+                  "perplexity")
+    assert "int8" in text and "int4" in text
     raw = json.loads((tmp_path / "quantization_quick.json").read_text())
     assert raw["results"]["float32"]["argmax_agreement"] == 1.0
+    assert all(r["perplexity"] > 1.0 for r in raw["results"].values())

@@ -11,6 +11,7 @@ from chatgate_testlib import REPO, free_port
 
 from chatgate.cli import build_parser, main, settings_from_args
 from chatgate.settings import Settings
+from engine.config import EngineConfig
 
 
 def parse(*argv: str) -> Settings:
@@ -59,6 +60,13 @@ def test_every_exposed_engine_config_field_has_its_vllm_flag():
             s.engine.dtype) == ("fp8", True, "int8", None)
     assert parse().engine.async_scheduling is None
     assert parse("--no-async-scheduling").engine.async_scheduling is False
+
+
+def test_serve_defaults_to_auto_quantization_while_the_library_keeps_float_weights():
+    """``chatgate serve`` picks int4 on the CPU (``auto``); ``LLM()`` stays exact float32."""
+    assert parse().engine.quantization == "auto"
+    assert parse("--quantization", "none").engine.quantization == "none"
+    assert EngineConfig().quantization is None
 
 
 def test_replica_id_defaults_to_the_hostname():

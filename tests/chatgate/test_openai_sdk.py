@@ -218,10 +218,11 @@ COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 @pytest.fixture(scope="module")
 def offline_greedy() -> dict[str, tuple[list[int], str]]:
-    """``LLM.generate`` greedy outputs (token ids, text) for ``COMPLETION_PROMPTS``."""
+    """``LLM.generate`` greedy outputs (token ids, text) for ``COMPLETION_PROMPTS``, with the
+    weights ``chatgate serve`` defaults to (``--quantization auto``)."""
     from engine import LLM, SamplingParams
 
-    llm = LLM("smollm2", max_model_len=1024, num_kv_blocks=256)
+    llm = LLM("smollm2", max_model_len=1024, num_kv_blocks=256, quantization="auto")
     outs = llm.generate(COMPLETION_PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
     ids = [llm.engine.tokenizer.encode(p, add_special_tokens=False) for p in COMPLETION_PROMPTS]
     return {p: (i, o.outputs[0].text)

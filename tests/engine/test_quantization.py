@@ -11,7 +11,14 @@ from gguf.quants import dequantize
 
 from engine import LLM
 from engine.loader.gguf import smollm2_gguf_path
-from engine.quantization import INT4_GROUP, Int4Linear, Int8Linear, check_quantization, int4_groups
+from engine.quantization import (
+    INT4_GROUP,
+    Int4Linear,
+    Int8Linear,
+    check_quantization,
+    int4_groups,
+    resolve_quantization,
+)
 from tests.engine.conftest import teacher_forced_agreement
 
 
@@ -57,6 +64,16 @@ def test_int4_recovers_the_packaged_ggufs_q4_1_codes() -> None:
     weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
     codes, _, _ = int4_groups(weight)
     assert torch.equal(codes, torch.from_numpy(gguf_codes.astype(np.int32)))
+
+
+def test_auto_quantization_is_int4_on_the_cpu_when_the_widths_allow_it() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization("auto", cpu, (576, 1536)) == "int4"
+    assert resolve_quantization("auto", cpu, (576, 1540)) is None  # not in groups of 32
+    assert resolve_quantization("auto", cuda, (576, 1536)) is None
+    assert resolve_quantization("none", cpu, (576,)) is None
+    assert resolve_quantization(None, cpu, (576,)) is None
+    assert resolve_quantization("int8", cpu, (576,)) == "int8"
 
 
 def test_unknown_or_gpu_quantization_is_refused() -> None:
