@@ -49,10 +49,8 @@ import httpx  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     DEFAULT_OUT,
     ROOT,
-    Tee,
-    machine_info,
+    Run,
     percentile,
-    plt,
     ratio,
     table,
 )
@@ -320,7 +318,7 @@ def summarize_profile(path: Path, top: int = 25) -> str:
 
 # -- main ---------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,4,16,32",
                     help="closed-loop concurrency levels (ignored with --rates)")
@@ -349,131 +347,143 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.concurrency, args.output_range, args.requests_per_level = "2", "2,4", 2
         args.baseline, args.profile_level = "none", 0
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "serving_quick" if args.quick else "serving"
-    log = Tee(out / f"{stem}.txt")
-    log(f"# benchmarks/serving.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-    log(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {machine_info()}")
+    return args
 
-    levels: list[tuple[int | None, float | None]]
-    if args.rates:
-        levels = [(None, float(x)) for x in args.rates.split(",") if x]
-    else:
-        levels = [(int(x), None) for x in args.concurrency.split(",") if x]
-    out_range = tuple(int(x) for x in args.output_range.split(","))
 
+Level = tuple[int | None, float | None]  # (concurrency, rate): one of them is set
+
+
+def start_servers(args: argparse.Namespace, run: Run) -> list[Server]:
+    """chatgate (started, or the given URL) and the llama.cpp baseline when there is one, each
+    ready and warmed up (two short requests, not counted). The caller stops them."""
     servers: list[Server] = []
-    try:
-        if args.url:
-            servers.append(Server("chatgate", args.url.rstrip("/"), None, "chatgate (given URL)"))
+    if args.url:
+        servers.append(Server("chatgate", args.url.rstrip("/"), None, "chatgate (given URL)"))
+    else:
+        servers.append(start_chatgate(args, run.out))
+    if args.baseline_url:
+        servers.append(Server("llama.cpp", args.baseline_url.rstrip("/"), None,
+                              "baseline (given URL)"))
+    elif args.baseline != "none":
+        llama = start_llama(args, run.out)
+        if llama is None:
+            run("llama.cpp baseline: neither a llama-server binary nor llama-cpp-python[server]"
+                " is available; measuring chatgate alone")
         else:
-            servers.append(start_chatgate(args, out))
-        if args.baseline_url:
-            servers.append(Server("llama.cpp", args.baseline_url.rstrip("/"), None,
-                                  "baseline (given URL)"))
-        elif args.baseline != "none":
-            llama = start_llama(args, out)
-            if llama is None:
-                log("llama.cpp baseline: neither a llama-server binary nor llama-cpp-python[server]"
-                    " is available; measuring chatgate alone")
-            else:
-                servers.append(llama)
-        for s in servers:
-            wait_ready(s, 600)
-            log(f"{s.name}: {s.kind} at {s.url}, model id {s.model!r}")
-            # warm-up: two short requests, not counted
-            asyncio.run(run_level(s, request_set(2, args.seed + 99, (2, 4)), 2, None, 0,
-                                  args.timeout))
+            servers.append(llama)
+    for s in servers:
+        wait_ready(s, 600)
+        run(f"{s.name}: {s.kind} at {s.url}, model id {s.model!r}")
+        asyncio.run(run_level(s, request_set(2, args.seed + 99, (2, 4)), 2, None, 0,
+                              args.timeout))
+    return servers
 
-        results: dict[str, list[dict]] = {s.name: [] for s in servers}
-        profile_text = ""
-        for li, (conc, rate) in enumerate(levels):
-            n = args.requests_per_level or max(8, (conc or int(rate * 20) or 1) * 3 // 2)
-            reqs = request_set(n, args.seed + li, out_range)
-            label = f"concurrency {conc}" if conc is not None else f"rate {rate}/s"
-            order = servers if li % 2 == 0 else list(reversed(servers))
-            for s in order:
-                log(f"{label}: {s.name}, {n} requests ...")
-                prof = None
-                if s.name == "chatgate" and conc is not None and conc == args.profile_level:
-                    prof = profile_start(s, out, 30)
-                r = asyncio.run(run_level(s, reqs, conc, rate, args.seed + li, args.timeout))
-                if prof is not None:
-                    prof.wait()
-                    profile_text = summarize_profile(out / "serving_profile.txt")
-                r.update({"level": label, "concurrency": conc, "rate": rate})
-                results[s.name].append(r)
-                log(f"  {s.name}: {r['req_s']:.2f} req/s, {r['out_tok_s']:.1f} tok/s, TTFT p50 "
-                    f"{r['ttft_p50']:.2f} s p99 {r['ttft_p99']:.2f} s, ITL p50 "
-                    f"{r['itl_p50'] * 1e3:.0f} ms, e2e p50 {r['e2e_p50']:.1f} s, errors "
-                    f"{r['errors']}" + (f" {r['error_samples']}" if r["errors"] else ""))
-    finally:
-        for s in servers:
-            s.stop()
 
-    (out / f"{stem}.json").write_text(json.dumps(
-        {"args": vars(args) | {"out": str(out)}, "servers": {s.name: s.kind for s in servers},
-         "results": results}, indent=1))
+def measure(args: argparse.Namespace, run: Run, servers: list[Server],
+            levels: list[Level]) -> tuple[dict[str, list[dict]], str]:
+    """Every level on every server (alternating which goes first), the same requests for
+    both; and the py-spy profile summary of chatgate at ``--profile-level`` ("" if none)."""
+    out_range = tuple(int(x) for x in args.output_range.split(","))
+    results: dict[str, list[dict]] = {s.name: [] for s in servers}
+    profile_text = ""
+    for li, (conc, rate) in enumerate(levels):
+        n = args.requests_per_level or max(8, (conc or int(rate * 20) or 1) * 3 // 2)
+        reqs = request_set(n, args.seed + li, out_range)
+        label = f"concurrency {conc}" if conc is not None else f"rate {rate}/s"
+        for s in servers if li % 2 == 0 else list(reversed(servers)):
+            run(f"{label}: {s.name}, {n} requests ...")
+            prof = None
+            if s.name == "chatgate" and conc is not None and conc == args.profile_level:
+                prof = profile_start(s, run.out, 30)
+            r = asyncio.run(run_level(s, reqs, conc, rate, args.seed + li, args.timeout))
+            if prof is not None:
+                prof.wait()
+                profile_text = summarize_profile(run.out / "serving_profile.txt")
+            r.update({"level": label, "concurrency": conc, "rate": rate})
+            results[s.name].append(r)
+            run(f"  {s.name}: {r['req_s']:.2f} req/s, {r['out_tok_s']:.1f} tok/s, TTFT p50 "
+                f"{r['ttft_p50']:.2f} s p99 {r['ttft_p99']:.2f} s, ITL p50 "
+                f"{r['itl_p50'] * 1e3:.0f} ms, e2e p50 {r['e2e_p50']:.1f} s, errors "
+                f"{r['errors']}" + (f" {r['error_samples']}" if r["errors"] else ""))
+    return results, profile_text
 
-    pyplot = plt()
-    if pyplot is not None:
-        fig, (ax1, ax2) = pyplot.subplots(1, 2, figsize=(12, 4.2))
+
+def plot(run: Run, results: dict[str, list[dict]], by_rate: bool) -> None:
+    def draw(ax1, ax2) -> None:
         for name, rs in results.items():
             xs = [r["concurrency"] if r["concurrency"] is not None else r["rate"] for r in rs]
             ax1.plot(xs, [r["out_tok_s"] for r in rs], marker="o", label=name)
             ax2.plot(xs, [r["ttft_p50"] for r in rs], marker="o", label=f"{name} p50")
             ax2.plot(xs, [r["ttft_p99"] for r in rs], marker="x", ls="--", label=f"{name} p99")
-        xl = "concurrency" if not args.rates else "arrival rate (req/s)"
+        xl = "arrival rate (req/s)" if by_rate else "concurrency"
         ax1.set(xlabel=xl, ylabel="output tokens/s", title="throughput vs load", xscale="log")
         ax2.set(xlabel=xl, ylabel="TTFT (s)", title="time to first token vs load", xscale="log",
                 yscale="log")
-        ax1.legend(fontsize=8)
-        ax2.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"{stem}.png", dpi=110)
-        pyplot.close(fig)
 
-    if profile_text:
-        log("\n## py-spy profile of chatgate serve during concurrency "
-            f"{args.profile_level} (30 s; raw stacks in serving_profile.txt)")
-        log(profile_text)
+    run.plot(f"{run.stem}.png", draw, ncols=2, figsize=(12, 4.2))
 
-    # tables, last
+
+# The targets against llama.cpp: (concurrency, minimum tok/s ratio, the latency that must be
+# no worse: ITL p50 at one stream, TTFT p99 under load)
+TARGETS = ((1, 1.0, "itl_p50"), (32, 2.0, "ttft_p99"))
+
+
+def report(run: Run, servers: list[Server], results: dict[str, list[dict]],
+           levels: list[Level]) -> None:
+    """The tables, last: every level of every server; with a baseline, the ratios and the
+    targets."""
     names = list(results)
-    log("\n## serving, " + ", ".join(f"{s.name} = {s.kind}" for s in servers))
-    header = ["level", "server", "req/s", "out tok/s", "TTFT p50 s", "TTFT p99 s",
-              "ITL p50 ms", "ITL p99 ms", "e2e p50 s", "e2e p99 s", "errors"]
-    rows = []
-    for i in range(len(levels)):
-        for name in names:
-            r = results[name][i]
-            rows.append([r["level"], name, r["req_s"], r["out_tok_s"], r["ttft_p50"],
-                         r["ttft_p99"], r["itl_p50"] * 1e3, r["itl_p99"] * 1e3, r["e2e_p50"],
-                         r["e2e_p99"], r["errors"]])
-    log(table(rows, header))
-    if len(names) == 2:
-        a, b = names
-        log("")
-        rows = []
-        for i in range(len(levels)):
-            ra, rb = results[a][i], results[b][i]
-            rows.append([ra["level"], f"{ratio(ra['out_tok_s'], rb['out_tok_s']):.2f}×",
-                         f"{ratio(ra['ttft_p99'], rb['ttft_p99']):.2f}×",
-                         f"{ratio(ra['itl_p50'], rb['itl_p50']):.2f}×",
-                         f"{ratio(ra['e2e_p50'], rb['e2e_p50']):.2f}×"])
-        log(table(rows, ["level", f"out tok/s {a}/{b}", f"TTFT p99 {a}/{b}",
-                         f"ITL p50 {a}/{b}", f"e2e p50 {a}/{b}"]))
-        at32 = [i for i, (c, _) in enumerate(levels) if c == 32]
-        if at32:
-            ra, rb = results[a][at32[0]], results[b][at32[0]]
-            tput = ra["out_tok_s"] >= rb["out_tok_s"]
-            ttft = ra["ttft_p99"] <= rb["ttft_p99"]
-            log(f"target at concurrency 32: {a} tok/s ≥ {b}: {ra['out_tok_s']:.1f} vs "
-                f"{rb['out_tok_s']:.1f} — {'met' if tput else 'MISSED'}; p99 TTFT no worse: "
-                f"{ra['ttft_p99']:.2f} s vs {rb['ttft_p99']:.2f} s — "
-                f"{'met' if ttft else 'MISSED'}")
-    log.close()
+    rows = [[r["level"], name, r["req_s"], r["out_tok_s"], r["ttft_p50"], r["ttft_p99"],
+             r["itl_p50"] * 1e3, r["itl_p99"] * 1e3, r["e2e_p50"], r["e2e_p99"], r["errors"]]
+            for i in range(len(levels)) for name in names for r in [results[name][i]]]
+    run.section("serving, " + ", ".join(f"{s.name} = {s.kind}" for s in servers), rows,
+                ["level", "server", "req/s", "out tok/s", "TTFT p50 s", "TTFT p99 s",
+                 "ITL p50 ms", "ITL p99 ms", "e2e p50 s", "e2e p99 s", "errors"])
+    if len(names) != 2:
+        return
+    a, b = names
+    pairs = [(results[a][i], results[b][i]) for i in range(len(levels))]
+    run("")
+    run(table([[ra["level"]] + [f"{ratio(ra[k], rb[k]):.2f}×" for k in
+                                 ("out_tok_s", "ttft_p99", "itl_p50", "e2e_p50")]
+               for ra, rb in pairs],
+              ["level", f"out tok/s {a}/{b}", f"TTFT p99 {a}/{b}", f"ITL p50 {a}/{b}",
+               f"e2e p50 {a}/{b}"]))
+    for conc, least, latency in TARGETS:
+        at = [i for i, (c, _) in enumerate(levels) if c == conc]
+        if not at:
+            continue
+        ra, rb = pairs[at[0]]
+        tput = ratio(ra["out_tok_s"], rb["out_tok_s"])
+        name = latency.replace("_", " ").replace("itl", "ITL").replace("ttft", "TTFT")
+        run(f"target at concurrency {conc}: {a} tok/s ≥ {least:.1f}× {b}'s: {tput:.2f}× "
+            f"({ra['out_tok_s']:.1f} vs {rb['out_tok_s']:.1f}) — "
+            f"{'met' if tput >= least else 'MISSED'}; {name} no worse: {ra[latency]:.3g} vs "
+            f"{rb[latency]:.3g} — {'met' if ra[latency] <= rb[latency] else 'MISSED'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = Run(args.out, "serving", quick=args.quick, argv=argv)
+    levels: list[Level] = ([(None, float(x)) for x in args.rates.split(",") if x] if args.rates
+                           else [(int(x), None) for x in args.concurrency.split(",") if x])
+    servers: list[Server] = []
+    try:
+        servers = start_servers(args, run)
+        results, profile_text = measure(args, run, servers, levels)
+    finally:
+        for s in servers:
+            s.stop()
+    run.write_json({"args": vars(args) | {"out": str(args.out)},
+                    "servers": {s.name: s.kind for s in servers}, "results": results},
+                   indent=1)
+    plot(run, results, bool(args.rates))
+    if profile_text:
+        run.section(f"py-spy profile of chatgate serve during concurrency {args.profile_level} "
+                    "(30 s; raw stacks in serving_profile.txt)")
+        run(profile_text)
+    report(run, servers, results, levels)
+    run.close()
     return 0
 
 

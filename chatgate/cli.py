@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from chatgate.settings import Settings
+from chatgate.tenants import hash_api_key
 from engine.config import EngineConfig
 
 log = logging.getLogger("chatgate")
@@ -109,6 +110,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def serve(settings: Settings) -> int:
+    # imported here, not at the top: the app imports the engine and torch (seconds), which
+    # `chatgate hash-key` and `--help` do not need
     import uvicorn
 
     from chatgate.app import create_app
@@ -144,8 +147,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = ["serve", *argv]  # `chatgate [flags]` == `chatgate serve [flags]`
     args = parser.parse_args(argv)
     if args.command == "hash-key":
-        from chatgate.tenants import hash_api_key
-
         print(hash_api_key(args.key))
         return 0
     try:

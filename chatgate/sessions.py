@@ -16,6 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
 TITLE_CHARS = 60
 _SET_TITLE_LUA = (
     "if (redis.call('HGET', KEYS[1], 'title') or '') == '' then "
@@ -194,8 +197,6 @@ class RedisSessionStore(SessionStore):
 
     def __init__(self, url: str, ttl_s: float, prefix: str = "chatgate") -> None:
         super().__init__(ttl_s)
-        import redis.asyncio as aioredis
-
         self.prefix = prefix
         self.url = url
         self.redis = aioredis.from_url(url, decode_responses=True)
@@ -336,10 +337,6 @@ class RedisSessionStore(SessionStore):
 
 def is_store_error(exc: BaseException) -> bool:
     """Whether ``exc`` means the session store is unreachable or failing."""
-    try:
-        from redis.exceptions import RedisError
-    except ImportError:  # pragma: no cover
-        return False
     return isinstance(exc, RedisError | OSError)
 
 

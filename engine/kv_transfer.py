@@ -20,6 +20,7 @@ On CPU the same steps are plain synchronous copies (one gather, one ``index_copy
 
 import logging
 import time
+import weakref
 from collections import deque
 
 import torch
@@ -51,8 +52,6 @@ def _host_tensor(shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
         logger.warning("cudaHostRegister failed; allocating the host KV tier as pinned memory")
         return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
     ptr = host.data_ptr()
-    import weakref
-
     weakref.finalize(host, cudart.cudaHostUnregister, ptr)
     logger.info("pinned %.1f GiB of host KV tier in %.1fs", host.numel() / 2**30,
                 time.perf_counter() - start)

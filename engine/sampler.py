@@ -22,9 +22,12 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
-from kernels import exponential_noise
+from kernels import exponential_noise, exponential_noise_at
 
 _CPU_NUCLEUS_DEPTH = 1024  # on CPU, top-p first looks for its nucleus among this many tokens
+# on CPU, the race draws noise only for the nonzero probabilities when they are fewer than
+# 1 in this many entries (top-p/top-k/min-p leave a few candidates per row)
+SPARSE_RACE_SHARE = 8
 _MASK64 = (1 << 64) - 1
 
 
@@ -252,6 +255,15 @@ def _exponential_race(probs: torch.Tensor, keys: list[int | None]) -> torch.Tens
                             strict=True):
             filled[row] = key
     keys_tensor = _to(filled, torch.int64, probs.device)
+    if (probs.device.type == "cpu"
+            and int(torch.count_nonzero(probs)) * SPARSE_RACE_SHARE < probs.numel()):
+        # on the CPU the noise costs more than the rest of the step: draw it only for the
+        # tokens that can win (nonzero probability), the same values as dense
+        rows, columns = probs.nonzero().unbind(1)
+        race = torch.zeros_like(probs)
+        race[rows, columns] = probs[rows, columns] / exponential_noise_at(keys_tensor[rows],
+                                                                          columns)
+        return race.argmax(dim=-1)
     return (probs / exponential_noise(keys_tensor, probs.shape[1])).argmax(dim=-1)
 
 

@@ -88,6 +88,11 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return reference.exponential_noise(keys, vocab)
 
 
+def exponential_noise_at(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``exponential_noise``'s values at (key, column) pairs only (broadcast together)."""
+    return reference.exponential_noise_at(keys, columns)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' ``LlamaRMSNorm`` of ``x [num_tokens, hidden]``."""
     return _fused_or_reference(x).rms_norm(x, weight, eps)

@@ -275,8 +275,15 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     would turn a zero-probability token's ``p / E`` into NaN, which argmax picks).
 
     The arithmetic is 32-bit unsigned, done in int64 with masks (every product is < 2**63)."""
-    x = torch.arange(vocab, dtype=torch.int64, device=keys.device).mul_(NOISE_GOLDEN)
-    x = (x + keys.to(torch.int64)[:, None]).bitwise_and_(_MASK32)
+    columns = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    return exponential_noise_at(keys[:, None], columns[None, :])
+
+
+def exponential_noise_at(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """:func:`exponential_noise` at given (key, column) pairs only (broadcast together): the
+    same values, for a sampler that needs the noise of a few candidate tokens per row."""
+    x = columns.to(torch.int64) * NOISE_GOLDEN
+    x = (x + keys.to(torch.int64)).bitwise_and_(_MASK32)
     x.bitwise_xor_(x >> 16).mul_(NOISE_MIX1).bitwise_and_(_MASK32)
     x.bitwise_xor_(x >> 15).mul_(NOISE_MIX2).bitwise_and_(_MASK32)
     x.bitwise_xor_(x >> 15)

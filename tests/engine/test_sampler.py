@@ -153,6 +153,20 @@ def test_race_never_draws_a_zero_probability_token() -> None:
         assert bool((probs.gather(1, tokens[:, None]) > 0).all())
 
 
+def test_sparse_race_draws_the_dense_races_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the race draws noise only for nonzero probabilities when they are few; with
+    the same keys it picks exactly the token the full-vocabulary race picks."""
+    import engine.sampler
+
+    gen = torch.Generator().manual_seed(2)
+    probs = torch.rand(32, 5000, generator=gen) * (torch.rand(32, 5000, generator=gen) < 0.01)
+    probs[:, 7] += 1e-3  # every row needs some mass
+    keys = [draw_key(11, i) for i in range(32)]
+    sparse = _exponential_race(probs, keys)
+    monkeypatch.setattr(engine.sampler, "SPARSE_RACE_SHARE", 0)  # always dense
+    assert torch.equal(sparse, _exponential_race(probs, keys))
+
+
 def test_race_is_robust_to_tiny_perturbations() -> None:
     """The same seed on logits that differ in the last bits (another batch size) gives the same
     token (an inverse CDF flips whenever its uniform lands near a shifted boundary)."""
