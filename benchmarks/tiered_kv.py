@@ -1,4 +1,4 @@
-"""Tiered KV (``--kv-offloading-size``, issue 16): chat sessions that leave the device pool
+"""Tiered KV (``--kv-offloading-size``): chat sessions that leave the device pool
 come back by copy from host memory instead of by recompute.
 
 Workload: ``--sessions`` chat sessions × ``--turns`` turns. Turn 1 of a session is a
