@@ -5,8 +5,9 @@ A fixed-seed set of requests with ShareGPT-like lengths squeezed into prompts 32
 outputs 32–256 tokens (log-uniform: many short, a long tail), random token ids, ``ignore_eos``
 so every request produces exactly its output length.
 
-- engine: ``LLM("smollm2")`` (defaults: continuous batching, chunked prefill, paged KV), every
-  request submitted at once, greedy, ``max_tokens`` = the request's own output length.
+- engine: ``LLM("smollm2")`` (defaults: continuous batching, chunked prefill, paged KV; with
+  ``--quantization`` its CPU weights in int8 or int4), every request submitted at once, greedy,
+  ``max_tokens`` = the request's own output length.
 - transformers: the same weights (``engine.loader.build_hf_model``, storage shared) and
   ``generate(do_sample=False)`` over the same requests in request order, in padded batches of
   16 (left padding + attention mask). A static batch must run until its longest member is done,
@@ -124,6 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=16, help="transformers' padded batch")
     ap.add_argument("--repeats", type=int, default=1, help="alternate the two systems N times")
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                    help="the engine's CPU weights (transformers keeps float32)")
     ap.add_argument("--quick", action="store_true", help="a tiny run (smoke test)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loader import build_hf_model, load_model
 
     run("loading the engine and the transformers model (same weights) ...")
-    llm = LLM(args.model, seed=args.seed)
+    llm = LLM(args.model, seed=args.seed, quantization=args.quantization)
     hf = build_hf_model(load_model(args.model, torch.device("cpu"), torch.float32))
     hf.generation_config.eos_token_id = None  # run past EOS, like ignore_eos=True
     pr = tuple(int(x) for x in args.prompt_range.split(","))
