@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import torch
 
-QUANTIZATIONS = ("int8", "int4")
-# what ``--quantization`` also takes: "auto" (``chatgate serve``'s default) is int4 on the CPU
-# when the model's widths allow it and unquantized elsewhere; "none" is unquantized
-CHOICES = (*QUANTIZATIONS, "auto", "none")
 INT4_GROUP = 32  # Q4_1's block size
 
 
@@ -82,12 +78,17 @@ class Int4Linear:
 
 
 QuantizedLinear = Int8Linear | Int4Linear
+LAYERS: dict[str, type[Int8Linear] | type[Int4Linear]] = {"int8": Int8Linear, "int4": Int4Linear}
+QUANTIZATIONS = tuple(LAYERS)
+# what ``--quantization`` also takes: "auto" (``chatgate serve``'s default) is int4 on the CPU
+# when the model's widths allow it and unquantized elsewhere; "none" is unquantized
+CHOICES = (*QUANTIZATIONS, "auto", "none")
 
 
 def quantized_linear(quantization: str, weight: torch.Tensor,
                      bias: torch.Tensor | None = None) -> QuantizedLinear:
     """The layer of ``quantization`` (one of :data:`QUANTIZATIONS`) computing with ``weight``."""
-    return (Int4Linear if quantization == "int4" else Int8Linear)(weight, bias)
+    return LAYERS[quantization](weight, bias)
 
 
 def resolve_quantization(choice: str | None, device: torch.device,

@@ -95,8 +95,9 @@ class AttentionPlan:
 
 
 def attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
-                   num_kv_heads: int) -> AttentionPlan:
+                   query_start_loc: torch.Tensor, slot_mapping: torch.Tensor | None,
+                   block_size: int, num_kv_heads: int) -> AttentionPlan:
+    """``slot_mapping``: the step's cache writes (None when the plan serves attention only)."""
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
     decode_rows = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
@@ -123,7 +124,8 @@ def attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          _slot_rows(decode_slots, num_kv_heads), longest,
                          pad[:, None, None, :] if bool(pad.any()) else None,
                          None if in_order else torch.tensor(tokens, device=device),
-                         slot_mapping.long() if bool((slot_mapping >= 0).all()) else None)
+                         slot_mapping.long() if slot_mapping is not None
+                         and bool((slot_mapping >= 0).all()) else None)
 
 
 def paged_attention(
@@ -145,8 +147,7 @@ def paged_attention(
     every layer of the step. ``k_scale``/``v_scale``: the layer's FP8 cache scales."""
     out = torch.empty_like(query) if out is None else out
     if plan is None:
-        no_writes = torch.empty(0, dtype=torch.long, device=query.device)
-        plan = attention_plan(block_tables, seq_lens, query_start_loc, no_writes,
+        plan = attention_plan(block_tables, seq_lens, query_start_loc, None,
                               key_cache.shape[1], key_cache.shape[2])
     if plan.decode_rows:
         _decode(query, key_cache, value_cache, plan, scale, out, k_scale, v_scale)
