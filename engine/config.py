@@ -86,6 +86,11 @@ class EngineConfig:
     async_scheduling: bool | None = _flag(None, "schedule the next step while the device runs "
                                                 "this one (default: on with CUDA, off on CPU)")
 
+    # Megatron-style tensor parallelism over this many processes of one host (one GPU each on
+    # CUDA, NCCL; Gloo on CPU): see engine/tensor_parallel.py
+    tensor_parallel_size: int = _flag(1, "split every layer across this many processes (one "
+                                         "GPU each on CUDA; Gloo on the CPU)")
+
     def __post_init__(self) -> None:
         if self.dtype == "auto":
             self.dtype = None
@@ -104,7 +109,7 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                     "kv_cache_bytes", "admission_batch"):
+                     "kv_cache_bytes", "admission_batch", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -112,6 +117,14 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be >= 0, got {self.kv_offloading_size}")
+        if self.tensor_parallel_size > 1:
+            # the host tier and the device-side token feed act on rank 0's cache and buffers
+            if self.kv_offloading_size > 0:
+                raise ValueError("kv_offloading_size is not supported with "
+                                 "tensor_parallel_size > 1")
+            if self.async_scheduling:
+                raise ValueError("async_scheduling is not supported with "
+                                 "tensor_parallel_size > 1")
         if not 0.0 <= self.pin_budget_fraction <= 1.0:
             raise ValueError(
                 f"pin_budget_fraction must be in [0, 1], got {self.pin_budget_fraction}"

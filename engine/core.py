@@ -37,6 +37,7 @@ from engine.ipc import (
     engine_decoder,
 )
 from engine.llm_engine import LLMEngine
+from engine.tensor_parallel import WorkerDied
 
 logger = logging.getLogger("engine.core")
 
@@ -119,12 +120,18 @@ class EngineCore:
                              engine.num_prefill_tokens - prefill,
                              engine.num_decode_tokens - decode,
                              len(engine.scheduler.running), len(engine.scheduler.waiting))
+        except WorkerDied as error:  # the engine cannot step again: fail everything and exit
+            logger.error("%s", error)
+            self._fail_all(f"engine stopped: {error}")
+            self._stopping = True
         except Exception as error:
             logger.exception("engine step failed; failing the running requests")
-            for request_id in list(self.engine.requests):
-                self.engine.abort(request_id)
-                self._pending.failed.append(
-                    RequestFailed(request_id, f"engine step failed: {error}", invalid=False))
+            self._fail_all(f"engine step failed: {error}")
+
+    def _fail_all(self, reason: str) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+            self._pending.failed.append(RequestFailed(request_id, reason, invalid=False))
 
     def _send(self) -> None:
         """Send what this iteration produced, with a stats snapshot when one is due: while busy
@@ -185,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     outbox.send(encoder.encode(EngineReady(engine.info, engine.stats())))
     logger.info("engine ready (pid %d)", os.getpid())
     EngineCore(engine, inbox, outbox, args.parent_fd).run()
+    engine.shutdown()
     inbox.close(linger=0)
     outbox.close()
     context.term()

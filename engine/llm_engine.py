@@ -13,6 +13,7 @@ process, ``engine.core``).
 """
 
 import logging
+import weakref
 
 import torch
 
@@ -23,9 +24,8 @@ from engine.inflight import PLACEHOLDER, InflightStep
 from engine.info import EngineInfo
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer import KVTransfer
-from engine.loader import LoadedModel, load_model
-from engine.model import LlamaModel
-from engine.model_runner import ModelRunner
+from engine.loader import LoadedModel
+from engine.model_runner import build_runner, load_for_rank
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.request import Request
 from engine.sampler import draw, draw_key, sample, shaped
@@ -34,6 +34,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
 from engine.structured import GrammarCompiler
+from engine.tensor_parallel import check_divisible, start_workers
 
 logger = logging.getLogger("engine")
 
@@ -48,24 +49,21 @@ class LLMEngine:
         (weights shared with something else, e.g. a transformers model in a benchmark);
         by default the engine loads it."""
         self.config = config
-        device, dtype = config.torch_device, config.torch_dtype
         torch.manual_seed(config.seed)
         if loaded is None:
-            loaded = load_model(config.model, device, dtype, seed=config.seed,
-                                use_cache=config.use_weight_cache, tokenizer=config.tokenizer)
+            loaded = load_for_rank(config)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.config
-        limit = loaded.config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {limit}")
-        max_model_len = config.max_model_len or limit
-        model = LlamaModel(loaded.config, loaded.state_dict, max_model_len,
-                           vocab_limit=loaded.vocab_limit, quantization=config.quantization)
-        self.runner = ModelRunner(model, config, max_model_len)
-        self.max_model_len = min(max_model_len, self.runner.num_blocks * config.block_size)
-        self.vocab_size = model.embed.shape[0]
+        tp = None
+        if config.tensor_parallel_size > 1:
+            check_divisible(loaded.config, config.tensor_parallel_size)
+            tp = start_workers(config)
+            weakref.finalize(self, tp.shutdown)
+        self.runner = build_runner(config, tp, loaded)
+        self.max_model_len = min(self.runner.max_model_len,
+                                 self.runner.num_blocks * config.block_size)
+        self.vocab_size = self.runner.model.vocab_size
         host_blocks = (KVTransfer.num_slots(self.runner.bytes_per_block,
                                             config.kv_offloading_size)
                        if config.enable_prefix_caching else 0)
@@ -92,7 +90,7 @@ class LLMEngine:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.runner.device.type == "cuda")
+                                 else self.runner.device.type == "cuda" and tp is None)
         self._inflight: InflightStep | None = None
 
     def _eos_token_ids(self) -> set[int]:
@@ -169,6 +167,12 @@ class LLMEngine:
 
     def unpin_session(self, session_id: str) -> bool:
         return self.kv.unpin(session_id)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected or
+        the interpreter exits); the engine takes no step after it."""
+        if self.runner.tp is not None:
+            self.runner.tp.shutdown()
 
     def take_pin_changes(self) -> dict[str, list[int] | None]:
         """Sessions pinned (their token ids) or unpinned (None) since the last call; empty

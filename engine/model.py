@@ -23,6 +23,7 @@ from engine.quantization import (
     quantized_linear,
     resolve_quantization,
 )
+from engine.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("engine.model")
 
@@ -75,27 +76,35 @@ def _linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -
 
 
 class LlamaModel:
-    """Weights are the loader's tensors (HF names), used in place: nothing is copied."""
+    """Weights are the loader's tensors (HF names), used in place: nothing is copied. With
+    ``tp``, they are this rank's shard (``engine.tensor_parallel.shard_weights``) and the head
+    counts are this rank's."""
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor],
                  max_positions: int, fuse: bool | None = None,
-                 vocab_limit: int | None = None, quantization: str | None = None) -> None:
+                 vocab_limit: int | None = None, quantization: str | None = None,
+                 tp: TensorParallel | None = None) -> None:
         self.config = config
+        self.tp = tp
+        ranks = tp.world_size if tp is not None else 1
         # ids at or past ``vocab_limit`` get logit -inf (never sampled): a dummy model that
         # borrows a smaller tokenizer only emits ids that tokenizer can decode
         self.vocab_limit = vocab_limit
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads = config.num_attention_heads // ranks
+        self.num_kv_heads = config.num_key_value_heads // ranks
+        self.head_dim = (getattr(config, "head_dim", None)
+                         or config.hidden_size // config.num_attention_heads)
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim ** -0.5
-        self.embed = weights["model.embed_tokens.weight"]
+        self.embed = weights["model.embed_tokens.weight"]  # this rank's rows of the vocabulary
+        self.vocab_size = self.embed.shape[0] * ranks
+        self.vocab_start = self.embed.shape[0] * (tp.rank if tp is not None else 0)
         self.final_norm = weights["model.norm.weight"]
         self.lm_head: Weight = weights.get("lm_head.weight", self.embed)
         self.device = self.embed.device
         self.dtype = self.embed.dtype
         quantization = resolve_quantization(
-            quantization, self.device, (config.hidden_size, config.intermediate_size,
+            quantization, self.device, (config.hidden_size, config.intermediate_size // ranks,
                                         self.num_heads * self.head_dim))
         check_quantization(quantization, self.device)
         if quantization is not None:
@@ -180,7 +189,7 @@ class LlamaModel:
         """Hidden states ``[num_tokens, hidden]`` after the final norm; writes this step's K/V
         into ``kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``."""
         n = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        h = self._embed(input_ids)  # the residual stream, updated in place
         x = kernels.rms_norm(h, self.layers[0].input_norm, self.eps)
         cos, sin = self.cos[positions], self.sin[positions]
         for index, (layer, next_norm, (k_scale, v_scale)) in enumerate(
@@ -197,11 +206,25 @@ class LlamaModel:
                 meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
                 out=meta.attn_out, plan=meta.plan, k_scale=k_scale, v_scale=v_scale,
             )
-            x = kernels.add_rms_norm(_linear(o.reshape(n, -1), layer.o), h, layer.post_norm,
-                                     self.eps)
-            x = kernels.add_rms_norm(_linear(self._gated(layer, x), layer.down), h, next_norm,
-                                     self.eps)
+            x = kernels.add_rms_norm(self._reduced(_linear(o.reshape(n, -1), layer.o)), h,
+                                     layer.post_norm, self.eps)
+            x = kernels.add_rms_norm(self._reduced(_linear(self._gated(layer, x), layer.down)),
+                                     h, next_norm, self.eps)
         return x
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of ``input_ids``; with tensor parallelism each rank looks up the ids
+        in its vocabulary rows (zeros for the others) and the ranks' rows are summed."""
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0.0))
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-split layer's output: summed over the ranks (as it is, without them)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _qkv(self, layer: _Layer, x: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -223,6 +246,8 @@ class LlamaModel:
         """Logits in the model's dtype, as transformers computes them; the sampler upcasts
         only where it needs float32 (softmax, logprobs): a greedy row is its argmax."""
         logits = _linear(hidden, self.lm_head)
+        if self.tp is not None:
+            logits = self.tp.all_gather_last(logits)
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
             logits[:, self.vocab_limit:] = float("-inf")
         return logits

@@ -26,8 +26,15 @@ import torch
 
 import kernels
 from engine.config import EngineConfig
+from engine.loader import LoadedModel, load_model
 from engine.model import AttentionMetadata, LlamaModel
 from engine.scheduler import ScheduledBatch
+from engine.tensor_parallel import (
+    TensorParallel,
+    check_divisible,
+    device_for_rank,
+    shard_weights,
+)
 
 logger = logging.getLogger("engine.model_runner")
 
@@ -55,9 +62,47 @@ def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
     return None
 
 
+def model_len(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The context length ``config`` asks for (default: the model's); ``ValueError`` past the
+    model's ``max_position_embeddings``."""
+    limit = loaded.config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings {limit}")
+    return config.max_model_len or limit
+
+
+def load_for_rank(config: EngineConfig, rank: int = 0) -> LoadedModel:
+    """``config.model`` loaded onto rank ``rank``'s device."""
+    return load_model(config.model, device_for_rank(config.torch_device, rank),
+                      config.torch_dtype, seed=config.seed, use_cache=config.use_weight_cache,
+                      tokenizer=config.tokenizer)
+
+
+def build_runner(config: EngineConfig, tp: TensorParallel | None = None,
+                 loaded: LoadedModel | None = None) -> "ModelRunner":
+    """The model (this rank's shard of it under ``tp``) and its runner; loads the model unless
+    ``loaded`` is given."""
+    if loaded is None:
+        loaded = load_for_rank(config, tp.rank if tp is not None else 0)
+    max_model_len = model_len(config, loaded)
+    weights = loaded.state_dict
+    if tp is not None:
+        check_divisible(loaded.config, tp.world_size)
+        weights = shard_weights(weights, loaded.config, tp.rank, tp.world_size)
+    model = LlamaModel(loaded.config, weights, max_model_len, vocab_limit=loaded.vocab_limit,
+                       quantization=config.quantization, tp=tp)
+    return ModelRunner(model, config, max_model_len, tp)
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, config: EngineConfig, max_model_len: int) -> None:
+    """``tp``: this process's rank of a tensor-parallel group (rank 0 runs the engine and
+    sends each step's inputs to the others, which run :meth:`run_step` on them)."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, max_model_len: int,
+                 tp: TensorParallel | None = None) -> None:
         self.model = model
+        self.tp = tp
         self.block_size = config.block_size
         self.device = model.device
         self.max_model_len = max_model_len
@@ -96,6 +141,11 @@ class ModelRunner:
     def _num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
+        if self.tp is not None:  # every rank's pool has the same blocks: the smallest one's
+            return self.tp.min_over_ranks(self._budget_blocks(config, max_model_len))
+        return self._budget_blocks(config, max_model_len)
+
+    def _budget_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         if config.kv_cache_bytes is not None:
             budget = config.kv_cache_bytes
         elif self.device.type == "cuda":
@@ -171,7 +221,7 @@ class ModelRunner:
         n = min(CALIBRATION_TOKENS, self.max_model_len)
         scratch = torch.zeros(self._cache_shape(-(-n // self.block_size)), dtype=m.dtype,
                               device=self.device)
-        vocab = m.vocab_limit or m.embed.shape[0]
+        vocab = m.vocab_limit or m.vocab_size
         ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
         meta, positions = self._prefill_batch([n])
         m.forward(ids.to(self.device), positions, meta, scratch)
@@ -228,13 +278,22 @@ class ModelRunner:
         ``feed[i]`` of :meth:`keep_sampled`'s last tokens, taken on the device. On the
         CUDA-graph path the result is a view of the graph's static output: read it (the sampler
         does) before the next ``execute``."""
-        if batch.copies:
-            src = torch.tensor([s for s, _ in batch.copies], device=self.device)
-            dst = torch.tensor([d for _, d in batch.copies], device=self.device)
+        host = self._host_metadata(batch)
+        if self.tp is not None:
+            self.tp.broadcast_step((host, batch.copies, sample_indices))
+        return self.run_step(host, batch.copies, sample_indices, feed)
+
+    @torch.inference_mode()
+    def run_step(self, host: dict[str, np.ndarray], copies: list[tuple[int, int]],
+                 sample_indices: list[int], feed: np.ndarray | None = None) -> torch.Tensor:
+        """:meth:`execute` from the step's host metadata (what a tensor-parallel worker gets):
+        block copies first, then the forward."""
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
             raw = self.kv_cache.view(torch.uint8)  # no FP8 indexing kernels; bytes copy alike
             raw[:, :, dst] = raw[:, :, src]
-        host = self._host_metadata(batch)
-        n = len(batch.seqs)
+        n = len(host["seq_lens"])
         padded = (padded_batch_size(n, self.graph_sizes)
                   if self.graphs and host["max_query_len"] == 1
                   and host["block_tables"].shape[1] <= self.max_blocks_per_seq else None)

@@ -52,7 +52,8 @@ def test_every_exposed_engine_config_field_has_its_vllm_flag():
     from chatgate.cli import engine_flags
 
     names = {f.name for f in engine_flags()}
-    assert {"kv_cache_dtype", "async_scheduling", "quantization", "max_num_seqs"} <= names
+    assert {"kv_cache_dtype", "async_scheduling", "quantization", "max_num_seqs",
+            "tensor_parallel_size"} <= names
     assert {"pin_budget_fraction", "use_weight_cache"}.isdisjoint(names)  # not flags
     s = parse("--kv-cache-dtype", "fp8", "--async-scheduling", "--quantization", "int8",
               "--dtype", "auto", "--no-enforce-eager")

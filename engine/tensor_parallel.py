@@ -1,0 +1,201 @@
+"""Tensor parallelism across the processes of one host (``--tensor-parallel-size N``).
+
+Megatron-style splits, as vLLM and nano-vllm do them: each of the N ranks holds
+``num_attention_heads / N`` query heads and ``num_key_value_heads / N`` KV heads (q/k/v
+column-split, o row-split), ``intermediate_size / N`` of the MLP (gate/up column-split, down
+row-split) and ``vocab_size / N`` rows of the embedding and the LM head; norms are replicated.
+A layer's attention output and its MLP output are partial sums, added up by one all-reduce each;
+the embedding is an all-reduce of each rank's rows (zeros for ids outside them) and the logits an
+all-gather of each rank's vocabulary slice.
+
+Rank 0 is the engine's own process: the scheduler, the block manager, the sampler and every
+request live there alone. Ranks 1..N-1 are worker processes (:func:`start_workers`), each with
+its shard and its own KV pool of the same number of blocks, addressed by the same block tables:
+each step rank 0 broadcasts the step's host-side inputs (:meth:`TensorParallel.broadcast_step`)
+over a Gloo group and every rank runs the same forward. torch.distributed's backend is NCCL on
+CUDA (rank r on ``cuda:r``) and Gloo on CPU.
+
+A worker that dies makes rank 0's next step raise :class:`WorkerDied` (checked before every
+broadcast, and Gloo fails a collective whose peer is gone) instead of hanging; a worker whose
+rank 0 is gone fails its next collective and exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import PretrainedConfig
+
+logger = logging.getLogger("engine.tensor_parallel")
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # a peer that stopped answering
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker process exited while the engine ran."""
+
+
+def check_divisible(config: PretrainedConfig, world_size: int) -> None:
+    """``ValueError`` naming every size of ``config`` that ``world_size`` ranks cannot split."""
+    sizes = {"num_attention_heads": config.num_attention_heads,
+             "num_key_value_heads": config.num_key_value_heads,
+             "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+    bad = [f"{name}={value}" for name, value in sizes.items() if value % world_size]
+    if bad:
+        raise ValueError(f"tensor_parallel_size={world_size} must divide the model's "
+                         f"{', '.join(bad)}")
+
+
+def shard_weights(weights: dict[str, torch.Tensor], config: PretrainedConfig, rank: int,
+                  world_size: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s share of the loader's tensors (HF names): contiguous copies of the split
+    ones (the full tensors can then be freed), the replicated ones as they are; a tied LM head
+    stays the embedding's tensor."""
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size
+                                                     // config.num_attention_heads)
+
+    def rows(tensor: torch.Tensor, unit: int = 1) -> torch.Tensor:
+        part = tensor.shape[0] // unit // world_size * unit
+        return tensor[rank * part:(rank + 1) * part].contiguous()
+
+    def columns(tensor: torch.Tensor) -> torch.Tensor:
+        part = tensor.shape[1] // world_size
+        return tensor[:, rank * part:(rank + 1) * part].contiguous()
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if name == "lm_head.weight" and tensor is weights["model.embed_tokens.weight"]:
+            continue
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[name] = rows(tensor)
+        elif any(p in name for p in ("q_proj.", "k_proj.", "v_proj.")):
+            out[name] = rows(tensor, head_dim)
+        elif any(p in name for p in ("gate_proj.", "up_proj.")):
+            out[name] = rows(tensor)
+        elif any(p in name for p in ("o_proj.", "down_proj.")):
+            out[name] = columns(tensor)
+        else:
+            out[name] = tensor
+    out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
+    return out
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in the group, and the group's collectives."""
+
+    rank: int
+    world_size: int
+    control: Any  # a Gloo group: step inputs travel as pickled host objects
+    workers: list[mp.process.BaseProcess]  # rank 0 only: ranks 1..N-1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place."""
+        dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` side by side along the last dimension, in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def min_over_ranks(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control)
+        return int(tensor.item())
+
+    def broadcast_step(self, step: Any) -> Any:
+        """Rank 0: send ``step`` (None: stop) to every worker; a worker: receive it."""
+        if self.rank == 0:
+            self.check_workers()
+        box = [step]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def check_workers(self) -> None:
+        for rank, proc in enumerate(self.workers, start=1):
+            if not proc.is_alive():
+                raise WorkerDied(f"tensor-parallel worker rank {rank} exited "
+                                 f"(exit code {proc.exitcode}); the engine cannot continue")
+
+    def shutdown(self) -> None:
+        """Rank 0: stop the workers and leave the group (safe to call twice)."""
+        if not dist.is_initialized():
+            return
+        if self.rank == 0:
+            try:
+                self.broadcast_step(None)
+            except (RuntimeError, WorkerDied):
+                pass  # a dead worker: the others exit when their collective fails
+            for proc in self.workers:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+        dist.destroy_process_group()
+
+
+def device_for_rank(device: torch.device, rank: int) -> torch.device:
+    """Rank ``r`` of a CUDA engine runs on ``cuda:r``; every rank of a CPU engine on the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def join_group(rank: int, world_size: int, init_method: str,
+               device: torch.device) -> TensorParallel:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # the ranks compute at once: each gets its share of the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    return TensorParallel(rank, world_size, control, [])
+
+
+def start_workers(config: Any) -> TensorParallel:
+    """Start ranks 1..N-1 for ``config`` (an ``EngineConfig``) and join the group as rank 0."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group: one "
+                           "tensor-parallel engine per process")
+    world_size = config.tensor_parallel_size
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_method = f"tcp://127.0.0.1:{port}"
+    context = mp.get_context("spawn")
+    workers = [context.Process(target=_worker_main, args=(config, rank, init_method),
+                               name=f"tp-worker-{rank}", daemon=True)
+               for rank in range(1, world_size)]
+    for proc in workers:
+        proc.start()
+    tp = join_group(0, world_size, init_method, device_for_rank(config.torch_device, 0))
+    tp.workers = workers
+    logger.info("tensor parallel: %d ranks (%s)", world_size, dist.get_backend())
+    return tp
+
+
+def _worker_main(config: Any, rank: int, init_method: str) -> None:
+    """A worker: build this rank's shard and KV pool, then run every step rank 0 sends."""
+    from engine.model_runner import build_runner  # the runner imports this module
+
+    logging.basicConfig(level=os.environ.get("CHATGATE_LOG_LEVEL", "WARNING"),
+                        format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
+    tp = join_group(rank, config.tensor_parallel_size, init_method,
+                    device_for_rank(config.torch_device, rank))
+    runner = build_runner(config, tp)
+    try:
+        while (step := tp.broadcast_step(None)) is not None:
+            runner.run_step(*step)
+    except RuntimeError as e:  # rank 0 is gone (its collectives fail)
+        logger.warning("rank 0 stopped answering: %s", e)
+    finally:
+        dist.destroy_process_group()
