@@ -56,7 +56,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.config
         tp = None
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1:  # loading checked the sizes split (or do it here)
             check_divisible(loaded.config, config.tensor_parallel_size)
             tp = start_workers(config)
             weakref.finalize(self, tp.shutdown)

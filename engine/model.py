@@ -77,7 +77,7 @@ def _linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -
 
 class LlamaModel:
     """Weights are the loader's tensors (HF names), used in place: nothing is copied. With
-    ``tp``, they are this rank's shard (``engine.tensor_parallel.shard_weights``) and the head
+    ``tp``, they are this rank's shard (``engine.tensor_parallel.Shard``) and the head
     counts are this rank's."""
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor],

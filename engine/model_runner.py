@@ -29,12 +29,7 @@ from engine.config import EngineConfig
 from engine.loader import LoadedModel, load_model
 from engine.model import AttentionMetadata, LlamaModel
 from engine.scheduler import ScheduledBatch
-from engine.tensor_parallel import (
-    TensorParallel,
-    check_divisible,
-    device_for_rank,
-    shard_weights,
-)
+from engine.tensor_parallel import Shard, TensorParallel, device_for_rank
 
 logger = logging.getLogger("engine.model_runner")
 
@@ -73,23 +68,25 @@ def model_len(config: EngineConfig, loaded: LoadedModel) -> int:
 
 
 def load_for_rank(config: EngineConfig, rank: int = 0) -> LoadedModel:
-    """``config.model`` loaded onto rank ``rank``'s device."""
+    """``config.model`` loaded onto rank ``rank``'s device: its share of the weights when
+    ``config.tensor_parallel_size`` > 1 (``ValueError`` if the model's sizes do not split)."""
+    world_size = config.tensor_parallel_size
     return load_model(config.model, device_for_rank(config.torch_device, rank),
                       config.torch_dtype, seed=config.seed, use_cache=config.use_weight_cache,
-                      tokenizer=config.tokenizer)
+                      tokenizer=config.tokenizer,
+                      shard=Shard(rank, world_size) if world_size > 1 else None)
 
 
 def build_runner(config: EngineConfig, tp: TensorParallel | None = None,
                  loaded: LoadedModel | None = None) -> "ModelRunner":
     """The model (this rank's shard of it under ``tp``) and its runner; loads the model unless
-    ``loaded`` is given."""
+    ``loaded`` is given (whole, or this rank's shard)."""
     if loaded is None:
         loaded = load_for_rank(config, tp.rank if tp is not None else 0)
     max_model_len = model_len(config, loaded)
     weights = loaded.state_dict
-    if tp is not None:
-        check_divisible(loaded.config, tp.world_size)
-        weights = shard_weights(weights, loaded.config, tp.rank, tp.world_size)
+    if tp is not None and loaded.shard is None:
+        weights = Shard(tp.rank, tp.world_size).weights(weights, loaded.config)
     model = LlamaModel(loaded.config, weights, max_model_len, vocab_limit=loaded.vocab_limit,
                        quantization=config.quantization, tp=tp)
     return ModelRunner(model, config, max_model_len, tp)

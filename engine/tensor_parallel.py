@@ -54,38 +54,39 @@ def check_divisible(config: PretrainedConfig, world_size: int) -> None:
                          f"{', '.join(bad)}")
 
 
-def shard_weights(weights: dict[str, torch.Tensor], config: PretrainedConfig, rank: int,
-                  world_size: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s share of the loader's tensors (HF names): contiguous copies of the split
-    ones (the full tensors can then be freed), the replicated ones as they are; a tied LM head
-    stays the embedding's tensor."""
-    head_dim = getattr(config, "head_dim", None) or (config.hidden_size
-                                                     // config.num_attention_heads)
+@dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of ``world_size``'s share of a model's tensors (HF names)."""
 
-    def rows(tensor: torch.Tensor, unit: int = 1) -> torch.Tensor:
-        part = tensor.shape[0] // unit // world_size * unit
-        return tensor[rank * part:(rank + 1) * part].contiguous()
+    rank: int
+    world_size: int
 
-    def columns(tensor: torch.Tensor) -> torch.Tensor:
-        part = tensor.shape[1] // world_size
-        return tensor[:, rank * part:(rank + 1) * part].contiguous()
+    def tensor(self, name: str, tensor: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
+        """This rank's part of ``tensor``: a contiguous copy of a split one (so the full one
+        can be freed), a replicated one (norms) as it is."""
+        if any(p in name for p in ("q_proj.", "k_proj.", "v_proj.")):
+            head_dim = (getattr(config, "head_dim", None)
+                        or config.hidden_size // config.num_attention_heads)
+            return self._rows(tensor, head_dim)
+        if any(p in name for p in ("embed_tokens.", "lm_head.", "gate_proj.", "up_proj.")):
+            return self._rows(tensor)
+        if any(p in name for p in ("o_proj.", "down_proj.")):
+            part = tensor.shape[1] // self.world_size
+            return tensor[:, self.rank * part:(self.rank + 1) * part].contiguous()
+        return tensor
 
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
-        if name == "lm_head.weight" and tensor is weights["model.embed_tokens.weight"]:
-            continue
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            out[name] = rows(tensor)
-        elif any(p in name for p in ("q_proj.", "k_proj.", "v_proj.")):
-            out[name] = rows(tensor, head_dim)
-        elif any(p in name for p in ("gate_proj.", "up_proj.")):
-            out[name] = rows(tensor)
-        elif any(p in name for p in ("o_proj.", "down_proj.")):
-            out[name] = columns(tensor)
-        else:
-            out[name] = tensor
-    out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
-    return out
+    def weights(self, weights: dict[str, torch.Tensor],
+                config: PretrainedConfig) -> dict[str, torch.Tensor]:
+        """:meth:`tensor` of every weight; a tied LM head stays the embedding's tensor."""
+        embed = weights["model.embed_tokens.weight"]
+        out = {name: self.tensor(name, tensor, config) for name, tensor in weights.items()
+               if not (name == "lm_head.weight" and tensor is embed)}
+        out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
+        return out
+
+    def _rows(self, tensor: torch.Tensor, unit: int = 1) -> torch.Tensor:
+        part = tensor.shape[0] // unit // self.world_size * unit
+        return tensor[self.rank * part:(self.rank + 1) * part].contiguous()
 
 
 @dataclass

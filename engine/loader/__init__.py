@@ -45,6 +45,7 @@ from engine.loader.gguf import (
     smollm2_gguf_path,
 )
 from engine.loader.hf_folder import folder_tokenizer, load_folder, tokenizer_folder
+from engine.tensor_parallel import Shard, check_divisible
 
 __all__ = [
     "CACHE_DIR_ENV", "DEFAULT_MODEL", "DUMMY_PREFIX", "NO_CACHE_ENV", "PRESETS",
@@ -65,18 +66,21 @@ def _accepted_forms() -> str:
 
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype, *, seed: int = 0,
-               use_cache: bool = True, tokenizer: str | None = None) -> LoadedModel:
+               use_cache: bool = True, tokenizer: str | None = None,
+               shard: Shard | None = None) -> LoadedModel:
     """Load ``model`` (see module docstring for accepted forms) onto ``device`` in ``dtype``.
 
     ``seed`` only matters for dummy models; ``use_cache=False`` (or env
     ``CHATGATE_NO_WEIGHT_CACHE=1``) neither reads nor writes the GGUF conversion cache;
-    ``tokenizer``: a Hugging Face tokenizer folder to use instead of the model's own.
+    ``tokenizer``: a Hugging Face tokenizer folder to use instead of the model's own;
+    ``shard``: keep only that tensor-parallel rank's share of the weights (``ValueError`` if the
+    model's sizes do not split; a dummy model is generated tensor by tensor and cut at once).
     """
     device = torch.device(device)
     use_cache = _cache_enabled(use_cache)
     start = time.perf_counter()
     if model.startswith(DUMMY_PREFIX):
-        loaded = load_dummy(model, device, dtype, seed, use_cache)
+        loaded = load_dummy(model, device, dtype, seed, use_cache, shard)
     elif model == DEFAULT_MODEL:
         loaded = load_gguf(model, smollm2_gguf_path(), device, dtype, use_cache)
     elif model.endswith(".gguf") and Path(model).expanduser().is_file():
@@ -86,6 +90,10 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, *, seed: in
     else:
         raise ValueError(f"model={model!r} is not a known model name or an existing model "
                          f"path; {_accepted_forms()}")
+    if shard is not None and loaded.shard is None:
+        check_divisible(loaded.config, shard.world_size)
+        loaded.state_dict = shard.weights(loaded.state_dict, loaded.config)
+        loaded.shard = shard
     if tokenizer is not None:
         loaded.tokenizer = tokenizer_folder(tokenizer)
     vocab_size = loaded.config.vocab_size

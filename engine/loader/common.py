@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from engine.generation_config import GenerationDefaults
+from engine.tensor_parallel import Shard
 
 DEFAULT_MODEL = "smollm2"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -39,6 +40,8 @@ class LoadedModel:
     vocab_limit: int | None = None
     # the sampling values the model recommends (its generation config)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    # set when ``state_dict`` holds only one tensor-parallel rank's share of the weights
+    shard: Shard | None = None
 
 
 def build_hf_model(loaded: LoadedModel) -> PreTrainedModel:
@@ -67,9 +70,14 @@ def expected_shapes(config: PretrainedConfig) -> dict[str, torch.Size]:
 
 
 def finalize(raw: dict[str, torch.Tensor], config: PretrainedConfig, device: torch.device,
-              dtype: torch.dtype, model: str) -> dict[str, torch.Tensor]:
-    """Validate names/shapes against ``config``, move to device/dtype and tie ``lm_head``."""
+              dtype: torch.dtype, model: str,
+              shard: Shard | None = None) -> dict[str, torch.Tensor]:
+    """Validate names/shapes against ``config`` (``shard``'s share of each, when ``raw`` holds
+    one rank's), move to device/dtype and tie ``lm_head``."""
     expected = expected_shapes(config)
+    if shard is not None:
+        expected = {k: shard.tensor(k, torch.empty(v, device="meta"), config).shape
+                    for k, v in expected.items()}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     wanted = [k for k in expected if not (tied and k == "lm_head.weight")]
     missing = [k for k in wanted if k not in raw]

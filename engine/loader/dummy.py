@@ -20,6 +20,7 @@ from engine.loader.common import (
     finalize,
 )
 from engine.loader.gguf import cached_gguf_tokenizer, smollm2_gguf_path
+from engine.tensor_parallel import Shard, check_divisible
 
 logger = logging.getLogger("engine.loader")
 
@@ -36,6 +37,15 @@ PRESETS: dict[str, dict[str, object]] = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE_8K, "factor": 8.0},
+        "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "llama-3.1-70b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
         "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE_8K, "factor": 8.0},
@@ -88,9 +98,11 @@ def dummy_config(spec: str) -> PretrainedConfig:
 
 
 def random_weights(config: PretrainedConfig, device: torch.device, dtype: torch.dtype,
-                    seed: int) -> dict[str, torch.Tensor]:
+                   seed: int, shard: Shard | None = None) -> dict[str, torch.Tensor]:
     """Seeded weights generated on ``device`` (no host round trip): N(0, 0.02) for matrices,
-    embeddings and biases, ones for norms. Same seed + device + dtype => same tensors."""
+    embeddings and biases, ones for norms. Same seed + dtype => same tensors on every device
+    of a kind. With ``shard``, each tensor is cut to the rank's share as soon as it is made,
+    so a rank never holds more than its shard and one full tensor."""
     generator = torch.Generator(device=device).manual_seed(seed)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     out: dict[str, torch.Tensor] = {}
@@ -103,13 +115,17 @@ def random_weights(config: PretrainedConfig, device: torch.device, dtype: torch.
         else:
             out[name] = torch.empty(shape, device=device, dtype=dtype).normal_(
                 0.0, INIT_STD, generator=generator)
+        if shard is not None:
+            out[name] = shard.tensor(name, out[name], config)
     return out
 
 
 def load_dummy(name: str, device: torch.device, dtype: torch.dtype, seed: int,
-                use_cache: bool) -> LoadedModel:
+               use_cache: bool, shard: Shard | None = None) -> LoadedModel:
     config = dummy_config(name.removeprefix(DUMMY_PREFIX))
-    raw = random_weights(config, device, dtype, seed)
+    if shard is not None:
+        check_divisible(config, shard.world_size)
+    raw = random_weights(config, device, dtype, seed, shard)
     try:
         gguf = smollm2_gguf_path()
     except ModelPackageMissingError:
@@ -118,5 +134,5 @@ def load_dummy(name: str, device: torch.device, dtype: torch.dtype, seed: int,
     else:
         tokenizer = cached_gguf_tokenizer(gguf, use_cache)
     return LoadedModel(name=name, config=config,
-                       state_dict=finalize(raw, config, device, dtype, name),
-                       tokenizer=tokenizer)
+                       state_dict=finalize(raw, config, device, dtype, name, shard),
+                       tokenizer=tokenizer, shard=shard)

@@ -145,3 +145,15 @@ def test_quantization_quick(tmp_path, tiny_model, capsys):
     raw = json.loads((tmp_path / "quantization_quick.json").read_text())
     assert raw["results"]["float32"]["argmax_agreement"] == 1.0
     assert all(r["perplexity"] > 1.0 for r in raw["results"].values())
+
+
+def test_tensor_parallel_quick(tmp_path, tiny_model, capsys):
+    """Two Gloo ranks on the CPU: the float32 greedy tokens of one rank, and the table."""
+    mod = _load("tensor_parallel")
+    assert mod.main(["--quick", "--device", "cpu", "--dtype", "float32", "--model", tiny_model,
+                     "--out", str(tmp_path)]) == 0
+    _check(tmp_path, "tensor_parallel_quick", capsys, "float32 greedy = 1 rank",
+           "decode step batch 1 (ms): 2 ranks / 1", "throughput, 2 ranks (tok/s)")
+    raw = json.loads((tmp_path / "tensor_parallel_quick.json").read_text())
+    assert raw["correctness"] == {"equal": 2, "prompts": 2}
+    assert raw["throughput"]["output_tokens"] > 0

@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.loader import load_model
-from engine.tensor_parallel import WorkerDied, shard_weights
+from engine.tensor_parallel import Shard, WorkerDied
 from tests.engine.conftest import conversations
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -32,10 +32,12 @@ def tiny_model(tmp_path) -> str:
 
 def test_the_shards_put_back_together_are_the_full_weights(tiny_model) -> None:
     """Column-split matrices (q/k/v, gate/up, vocabulary rows) stack back by rows, row-split
-    ones (o, down) by columns, and norms are every rank's own copy."""
-    full = load_model(tiny_model, torch.device("cpu"), torch.float32).state_dict
-    shards = [shard_weights(full, load_model(tiny_model, torch.device("cpu"),
-                                             torch.float32).config, r, 2) for r in range(2)]
+    ones (o, down) by columns, and norms are every rank's own copy; a dummy model generated
+    shard by shard holds exactly those shards."""
+    cpu = torch.device("cpu")
+    whole = load_model(tiny_model, cpu, torch.float32)
+    full = whole.state_dict
+    shards = [Shard(r, 2).weights(full, whole.config) for r in range(2)]
     for name, tensor in full.items():
         parts = [s[name] for s in shards]
         if "o_proj" in name or "down_proj" in name:
@@ -45,6 +47,10 @@ def test_the_shards_put_back_together_are_the_full_weights(tiny_model) -> None:
         else:
             assert torch.equal(torch.cat(parts, dim=0), tensor), name
             assert parts[0].shape[0] == tensor.shape[0] // 2, name
+    generated = load_model(tiny_model, cpu, torch.float32, shard=Shard(1, 2))
+    assert generated.state_dict.keys() == shards[1].keys()
+    for name, tensor in shards[1].items():
+        assert torch.equal(generated.state_dict[name], tensor), name
 
 
 def test_smollm2_split_three_ways_gives_the_single_process_greedy_tokens() -> None:
