@@ -159,6 +159,8 @@ def join_group(rank: int, world_size: int, init_method: str,
     dist.init_process_group(backend, init_method=init_method, rank=rank,
                             world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    # the first collective sets NCCL's communicator up: here, not inside a CUDA-graph capture
+    dist.all_reduce(torch.zeros(1, device=device))
     return TensorParallel(rank, world_size, control, [])
 
 

@@ -101,3 +101,34 @@ def test_a_killed_worker_makes_the_next_step_fail_with_a_clear_error(tiny_model)
         assert time.monotonic() - start < 10
     finally:
         llm.engine.shutdown()
+
+
+def test_sessions_and_shared_prefixes_across_ranks_match_one_process(tiny_model) -> None:
+    """A second turn continues its pinned session (only new tokens computed) and a shared
+    prefix is reused, on every rank's pool alike: the tokens equal one process's."""
+    prefix = list(range(100, 140))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(llm: LLM) -> tuple[list[list[int]], int]:
+        eng = llm.engine
+        outputs = []
+        history = prefix + [5, 6, 7]
+        for turn in range(2):
+            eng.add_request(f"turn{turn}", history, params, session_id="s")
+            eng.add_request(f"other{turn}", prefix + [9, turn], params)
+            done: dict[str, list[int]] = {}
+            while eng.has_unfinished():
+                for o in eng.step():
+                    done.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+            outputs += [done[f"turn{turn}"], done[f"other{turn}"]]
+            history = history + done[f"turn{turn}"] + [11, 12]
+        return outputs, eng.stats().prefix_cache_hits
+
+    single = run(LLM(tiny_model, num_kv_blocks=64))
+    llm = LLM(tiny_model, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        split = run(llm)
+    finally:
+        llm.engine.shutdown()
+    assert split == single
+    assert split[1] > len(prefix)  # the shared prefix and the session were reused
