@@ -55,6 +55,7 @@ class EngineCore:
         self._decoder = engine_decoder()
         self._encoder = msgspec.msgpack.Encoder()
         self._stopping = False
+        self.failed = False  # stopped because the engine cannot step again
         self._pending = StepOutputs()
         self._stats_at = 0.0
         self._changed = False  # since the last stats snapshot
@@ -63,12 +64,18 @@ class EngineCore:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.parent_fd, zmq.POLLIN)
+        workers = self.engine.worker_sentinels()  # readable once a worker has exited
+        for fd in workers:
+            poller.register(fd, zmq.POLLIN)
         while not self._stopping:
             busy = self.engine.has_unfinished()
             events = dict(poller.poll(0 if busy else None))
             if self.parent_fd in events:
                 logger.warning("the gateway process is gone; the engine exits")
                 return
+            if any(fd in events for fd in workers):
+                self._stop_failed("a tensor-parallel worker exited")
+                break
             if self.inbox in events:
                 self._take_messages()
             if self.engine.has_unfinished():
@@ -120,13 +127,18 @@ class EngineCore:
                              engine.num_prefill_tokens - prefill,
                              engine.num_decode_tokens - decode,
                              len(engine.scheduler.running), len(engine.scheduler.waiting))
-        except WorkerDied as error:  # the engine cannot step again: fail everything and exit
-            logger.error("%s", error)
-            self._fail_all(f"engine stopped: {error}")
-            self._stopping = True
+        except WorkerDied as error:
+            self._stop_failed(str(error))
         except Exception as error:
             logger.exception("engine step failed; failing the running requests")
             self._fail_all(f"engine step failed: {error}")
+
+    def _stop_failed(self, reason: str) -> None:
+        """The engine cannot step again: fail every request and stop."""
+        logger.error("%s; the engine stops", reason)
+        self._fail_all(f"engine stopped: {reason}")
+        self._send()
+        self._stopping = self.failed = True
 
     def _fail_all(self, reason: str) -> None:
         for request_id in list(self.engine.requests):
@@ -191,12 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     outbox.send(encoder.encode(EngineReady(engine.info, engine.stats())))
     logger.info("engine ready (pid %d)", os.getpid())
-    EngineCore(engine, inbox, outbox, args.parent_fd).run()
+    core = EngineCore(engine, inbox, outbox, args.parent_fd)
+    core.run()
     engine.shutdown()
     inbox.close(linger=0)
     outbox.close()
     context.term()
-    return 0
+    return 1 if core.failed else 0
 
 
 if __name__ == "__main__":

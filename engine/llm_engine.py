@@ -168,6 +168,12 @@ class LLMEngine:
     def unpin_session(self, session_id: str) -> bool:
         return self.kv.unpin(session_id)
 
+    def worker_sentinels(self) -> list[int]:
+        """File descriptors that turn readable when a tensor-parallel worker exits (none
+        without tensor parallelism)."""
+        tp = self.runner.tp
+        return [proc.sentinel for proc in tp.workers] if tp is not None else []
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected or
         the interpreter exits); the engine takes no step after it."""

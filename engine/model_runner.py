@@ -276,9 +276,14 @@ class ModelRunner:
         CUDA-graph path the result is a view of the graph's static output: read it (the sampler
         does) before the next ``execute``."""
         host = self._host_metadata(batch)
-        if self.tp is not None:
-            self.tp.broadcast_step((host, batch.copies, sample_indices))
-        return self.run_step(host, batch.copies, sample_indices, feed)
+        if self.tp is None:
+            return self.run_step(host, batch.copies, sample_indices, feed)
+        self.tp.broadcast_step((host, batch.copies, sample_indices))
+        try:
+            return self.run_step(host, batch.copies, sample_indices, feed)
+        except RuntimeError:  # a collective failed: a worker gone shows as WorkerDied
+            self.tp.check_workers(wait_s=1.0)
+            raise
 
     @torch.inference_mode()
     def run_step(self, host: dict[str, np.ndarray], copies: list[tuple[int, int]],

@@ -122,8 +122,11 @@ class TensorParallel:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
-    def check_workers(self) -> None:
+    def check_workers(self, wait_s: float = 0.0) -> None:
+        """``WorkerDied`` if a worker has exited (or exits within ``wait_s``)."""
         for rank, proc in enumerate(self.workers, start=1):
+            if wait_s:
+                proc.join(timeout=wait_s)
             if not proc.is_alive():
                 raise WorkerDied(f"tensor-parallel worker rank {rank} exited "
                                  f"(exit code {proc.exitcode}); the engine cannot continue")

@@ -138,3 +138,29 @@ def test_killing_the_gateway_takes_the_engine_down(own_server: Server) -> None:
     own_server.proc.send_signal(signal.SIGKILL)
     own_server.proc.wait()
     wait_gone(pid, timeout=5)
+
+
+def test_a_tensor_parallel_server_answers_and_a_dead_worker_stops_it(tmp_path: Path) -> None:
+    """``--tensor-parallel-size 3`` (SmolLM2 over three Gloo ranks) answers as one process
+    does; when a worker dies the engine process fails its requests and exits, the gateway
+    reports the engine dead and exits non-zero, and no worker is left behind."""
+    srv = Server(["--tensor-parallel-size", "3", "--quantization", "none",
+                  "--num-kv-blocks", "256", "--max-model-len", "2048"], tmp_path / "tp.log")
+    srv.start()
+    try:
+        engine = engine_pid(srv)
+        workers = children(engine)
+        assert len(workers) >= 2  # ranks 1 and 2 (and the spawn helper, if any)
+        body = {"model": "smollm2", "temperature": 0, "max_tokens": 12,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        answer = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120).json()
+        assert "Paris" in answer["choices"][0]["message"]["content"]
+
+        rank = [p for p in workers if "multiprocessing" in cmdline(p)][-1]
+        os.kill(rank, signal.SIGKILL)
+        assert srv.proc.wait(timeout=60) != 0
+        assert "a tensor-parallel worker exited; the engine stops" in srv.log()
+        for pid in [engine, *workers]:
+            wait_gone(pid, timeout=15)
+    finally:
+        srv.stop()
