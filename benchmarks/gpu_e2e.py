@@ -538,8 +538,9 @@ def hf_largest_batch(hf, requests, candidates: list[int], device: torch.device,
 # -- main --------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The model, device and engine limits of the 1,000-request workload (also used by
+    ``tensor_parallel.py``)."""
     ap.add_argument("--model", default="dummy:llama-3.1-8b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
@@ -548,6 +549,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=2048)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(ap)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")

@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from benchmarks import gpu_e2e  # noqa: E402
 from benchmarks._common import DEFAULT_OUT, open_log, plt, table  # noqa: E402
 
 TARGET_BATCH1 = 0.6  # decode step at batch 1: N ranks / 1 rank, at most
@@ -42,14 +43,7 @@ TARGET_BATCH1 = 0.6  # decode step at batch 1: N ranks / 1 rank, at most
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensor-parallel-size", type=int, default=2)
-    ap.add_argument("--model", default="dummy:llama-3.1-8b")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-requests", type=int, default=1000)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    gpu_e2e.add_workload_args(ap)
     ap.add_argument("--correct-prompts", type=int, default=8)
     ap.add_argument("--correct-tokens", type=int, default=32)
     ap.add_argument("--decode-batch", type=int, default=256)
@@ -125,7 +119,6 @@ def decode_step_s(llm, batch: int, ctx: int, steps: int = 16) -> float:
 
 
 def run(args, log) -> dict:
-    from benchmarks import gpu_e2e
     from engine.loader import dummy_config
 
     n = args.tensor_parallel_size
