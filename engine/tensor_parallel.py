@@ -193,7 +193,7 @@ def _worker_main(config: Any, rank: int, init_method: str) -> None:
     """A worker: build this rank's shard and KV pool, then run every step rank 0 sends."""
     from engine.model_runner import build_runner  # the runner imports this module
 
-    logging.basicConfig(level=os.environ.get("CHATGATE_LOG_LEVEL", "WARNING"),
+    logging.basicConfig(level=logging.WARNING,
                         format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
     tp = join_group(rank, config.tensor_parallel_size, init_method,
                     device_for_rank(config.torch_device, rank))
