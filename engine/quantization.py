@@ -12,33 +12,13 @@ greedy output equals transformers' only there.
   weights by each group's min and max gives back the GGUF's own 4-bit codes, so the model
   computes with the very weights llama.cpp reads. The output layer (tied to the embedding,
   Q8_0 in the packaged GGUF) stays ``int8``: 4 bits there cost more accuracy than the rest.
-
-The packed kernels are the fastest for a few rows, where a step's time is the weights' bytes;
-from :data:`DENSE_FROM_ROWS` rows on (prefill, busy decode steps) they are bound by their
-unpacking arithmetic, so a layer multiplies its dequantized weights (the same values, held in
-bfloat16) with a plain GEMM instead, as llama.cpp does for large batches. On a 2-core EPYC, at
-32 rows: int4 1.52 ms against 0.69 ms dense for a 3072 × 576 matrix, and 26 ms against 9 ms for
-SmolLM2's 49152 × 576 output layer in int8; at one row the packed kernels are 1.5-2× faster.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 
 INT4_GROUP = 32  # Q4_1's block size
-DENSE_FROM_ROWS = 8  # rows from which the dequantized bfloat16 weights are faster
-
-
-def _dense_or(packed: Callable[[torch.Tensor], torch.Tensor], dense: torch.Tensor,
-              x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` times the layer's weights: the packed kernel for a few rows, else the bfloat16
-    GEMM on the dequantized weights; in ``x``'s dtype, plus ``bias``."""
-    x16 = x.to(torch.bfloat16)
-    y = (packed(x16) if x.shape[0] < DENSE_FROM_ROWS else F.linear(x16, dense)).to(x.dtype)
-    return y if bias is None else y.add_(bias)
 
 
 class Int8Linear:
@@ -52,11 +32,11 @@ class Int8Linear:
             torch.int8)
         self.scales = scales
         self.bias = bias
-        self.dense = self.dequantized().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _dense_or(lambda x16: torch._weight_int8pack_mm(x16, self.weight, self.scales),
-                         self.dense, x, self.bias)
+        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y.add_(self.bias)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for checks)."""
@@ -89,12 +69,12 @@ class Int4Linear:
         self.scales_and_zeros = torch.stack([scale, low + 8.0 * scale], dim=-1).transpose(
             0, 1).contiguous().to(torch.bfloat16)
         self.bias = bias
-        self.dense = (codes.to(torch.float32).view(*scale.shape, INT4_GROUP) * scale[..., None]
-                      + low[..., None]).view(codes.shape).to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _dense_or(lambda x16: torch._weight_int4pack_mm_for_cpu(
-            x16, self.packed, INT4_GROUP, self.scales_and_zeros), self.dense, x, self.bias)
+        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, INT4_GROUP,
+                                              self.scales_and_zeros)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 QuantizedLinear = Int8Linear | Int4Linear

@@ -12,7 +12,6 @@ from gguf.quants import dequantize
 from engine import LLM
 from engine.loader.gguf import smollm2_gguf_path
 from engine.quantization import (
-    DENSE_FROM_ROWS,
     INT4_GROUP,
     Int4Linear,
     Int8Linear,
@@ -50,20 +49,6 @@ def test_int4_linear_matches_its_group_dequantized_weight() -> None:
     assert y.dtype == torch.float32 and y.shape == (5, 96)
     # bfloat16 activations, scales and result: a few parts in 1000
     assert torch.allclose(y, F.linear(x, dequantized, bias), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("layer_type", [Int8Linear, Int4Linear])
-def test_many_rows_multiply_the_same_dequantized_weights_as_few_rows(layer_type) -> None:
-    """From ``DENSE_FROM_ROWS`` rows on a layer uses a bfloat16 GEMM on its dequantized weights
-    instead of the packed kernel: row for row, the same result up to bfloat16 rounding."""
-    torch.manual_seed(0)
-    layer = layer_type(torch.randn(192, 128) * 0.05, torch.randn(192))
-    x = torch.randn(4 * DENSE_FROM_ROWS, 128)
-    many = layer(x)
-    few = torch.cat([layer(x[i:i + DENSE_FROM_ROWS - 1])
-                     for i in range(0, x.shape[0], DENSE_FROM_ROWS - 1)])
-    assert many.dtype == few.dtype == torch.float32
-    assert torch.allclose(many, few, rtol=1e-2, atol=1e-2)
 
 
 def test_int4_recovers_the_packaged_ggufs_q4_1_codes() -> None:
