@@ -24,7 +24,6 @@ Writes ``tensor_parallel.json`` (and a plot) to ``--out``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -71,13 +70,10 @@ def engine(args, ranks: int, dtype: str | None = None, **extra):
 
 
 def release(llm) -> None:
-    import torch
-
+    device = llm.engine.runner.device
     llm.engine.shutdown()
     del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    gpu_e2e.release_memory(device)
 
 
 def greedy_tokens(args, ranks: int, prompts: list[list[int]]) -> list[list[int]]:
@@ -93,8 +89,6 @@ def greedy_tokens(args, ranks: int, prompts: list[list[int]]) -> list[list[int]]
 
 def decode_step_s(llm, batch: int, ctx: int, steps: int = 16) -> float:
     """Median wall time of an engine step with ``batch`` rows decoding at ``ctx`` tokens."""
-    import torch
-
     from engine import SamplingParams
 
     eng = llm.engine
@@ -110,8 +104,7 @@ def decode_step_s(llm, batch: int, ctx: int, steps: int = 16) -> float:
     for _ in range(steps):
         t = time.perf_counter()
         eng.step()
-        if torch.cuda.is_available() and llm.engine.runner.device.type == "cuda":
-            torch.cuda.synchronize()
+        gpu_e2e.sync(eng.runner.device)
         times.append(time.perf_counter() - t)
     for rid in ids:
         eng.abort(rid)
@@ -124,9 +117,7 @@ def run(args, log) -> dict:
     n = args.tensor_parallel_size
     vocab = (dummy_config(args.model.removeprefix("dummy:")).vocab_size
              if args.model.startswith("dummy:") else 1000)
-    rng = np.random.default_rng(args.seed + 1)
-    prompts = [rng.integers(0, vocab, int(k)).tolist()
-               for k in rng.integers(4, 300 if not args.quick else 16, args.correct_prompts)]
+    prompts = gpu_e2e.correctness_prompts(args)
     raw: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
     if args.single_rank == "all":
         single, split = greedy_tokens(args, 1, prompts), greedy_tokens(args, n, prompts)

@@ -138,7 +138,7 @@ class TensorParallel:
         if self.rank == 0:
             try:
                 self.broadcast_step(None)
-            except (RuntimeError, WorkerDied):
+            except RuntimeError:  # WorkerDied included
                 pass  # a dead worker: the others exit when their collective fails
             for proc in self.workers:
                 proc.join(timeout=10)

@@ -32,25 +32,20 @@ _LLAMA3_ROPE_8K = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_fac
 
 # Published config.json values (legacy rope_theta/rope_scaling keys; transformers converts them
 # into ``config.rope_parameters``).
+_LLAMA31_8B: dict[str, object] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+    "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE_8K, "factor": 8.0},
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
+}
+
 PRESETS: dict[str, dict[str, object]] = {
-    "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE_8K, "factor": 8.0},
-        "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
-    },
-    "llama-3.1-70b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE_8K, "factor": 8.0},
-        "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
-    },
+    "llama-3.1-8b": _LLAMA31_8B,
+    "llama-3.1-70b": {**_LLAMA31_8B, "hidden_size": 8192, "intermediate_size": 28672,
+                      "num_hidden_layers": 80, "num_attention_heads": 64},
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
