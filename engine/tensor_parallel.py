@@ -115,7 +115,7 @@ class TensorParallel:
         return int(tensor.item())
 
     def broadcast_step(self, step: Any) -> Any:
-        """Rank 0: send ``step`` (None: stop) to every worker; a worker: receive it."""
+        """Rank 0: send ``step`` to every worker; a worker: receive it."""
         if self.rank == 0:
             self.check_workers()
         box = [step]
@@ -132,18 +132,17 @@ class TensorParallel:
                                  f"(exit code {proc.exitcode}); the engine cannot continue")
 
     def shutdown(self) -> None:
-        """Rank 0: stop the workers and leave the group (safe to call twice)."""
+        """Rank 0: end the workers (they hold no state of their own; a signal, not a
+        collective, so a dead or stuck rank cannot make it hang) and leave the group (safe to
+        call twice)."""
         if not dist.is_initialized():
             return
-        if self.rank == 0:
-            try:
-                self.broadcast_step(None)
-            except RuntimeError:  # WorkerDied included
-                pass  # a dead worker: the others exit when their collective fails
-            for proc in self.workers:
-                proc.join(timeout=10)
-                if proc.is_alive():
-                    proc.kill()
+        for proc in self.workers:
+            proc.terminate()
+        for proc in self.workers:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
         dist.destroy_process_group()
 
 
@@ -199,8 +198,8 @@ def _worker_main(config: Any, rank: int, init_method: str) -> None:
                     device_for_rank(config.torch_device, rank))
     runner = build_runner(config, tp)
     try:
-        while (step := tp.broadcast_step(None)) is not None:
-            runner.run_step(*step)
+        while True:
+            runner.run_step(*tp.broadcast_step(None))
     except RuntimeError as e:  # rank 0 is gone (its collectives fail)
         logger.warning("rank 0 stopped answering: %s", e)
     finally:

@@ -156,7 +156,7 @@ def test_a_tensor_parallel_server_answers_and_a_dead_worker_stops_it(tmp_path: P
         answer = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120).json()
         assert "Paris" in answer["choices"][0]["message"]["content"]
 
-        rank = [p for p in workers if "multiprocessing" in cmdline(p)][-1]
+        rank = [p for p in workers if "spawn_main" in cmdline(p)][-1]  # not resource_tracker
         os.kill(rank, signal.SIGKILL)
         assert srv.proc.wait(timeout=60) != 0
         assert "a tensor-parallel worker exited; the engine stops" in srv.log()
