@@ -73,6 +73,9 @@ class KVCacheManager:
 
         Returns the number of tokens to compute this step, or 0 (and changes nothing) when the
         free blocks do not suffice. The last token is always computed, so logits exist."""
+        stale = self._pins.get(seq.session_id) if seq.session_id is not None else None
+        if stale is not None and stale.cache_salt != seq.cache_salt:
+            self._pins.unpin(stale.session_id)  # another tenant's KV under this session id
         match = self._match_prefix(seq)
         num_new = min(seq.num_tokens - match.num_tokens, token_budget)
         needed = _cdiv(match.num_tokens + num_new, self.block_size) - len(match.blocks)
@@ -108,6 +111,12 @@ class KVCacheManager:
         assert grown
         return num_new
 
+    def reload_tokens(self, seq: Sequence) -> int:
+        """Tokens that admitting ``seq`` now would copy back from the host tier."""
+        if self.host is None:
+            return 0
+        return len(self._match_prefix(seq).host_hits) * self.block_size
+
     def _match_prefix(self, seq: Sequence) -> _PrefixMatch:
         """The longest reusable prefix: hashed full blocks, or the session's pinned tokens
         (which also reuse the partial last block and tokens the model generated)."""
@@ -126,10 +135,7 @@ class KVCacheManager:
         best = _PrefixMatch((len(blocks) + len(host_hits)) * self.block_size, blocks, None,
                             host_hits)
         pinned = self._pins.get(seq.session_id) if seq.session_id is not None else None
-        if pinned is None:
-            return best
-        if pinned.cache_salt != seq.cache_salt:
-            self._pins.unpin(pinned.session_id)
+        if pinned is None or pinned.cache_salt != seq.cache_salt:
             return best
         lcp = _common_prefix(seq.token_ids, pinned.token_ids, seq.num_tokens - 1)
         if lcp <= best.num_tokens:

@@ -1,6 +1,10 @@
 """Continuous batching: each step, running sequences first, then waiting ones, under a token
 budget (chunked prefill) and a sequence cap. While sequences run, waiting ones are admitted
 once ``admission_batch`` slots are free or all of them fit, so prefills come in groups.
+Tokens copied back from the host KV tier count against the token budget like computed ones,
+except a step's first such copy, which is never refused: a burst of returning sessions comes
+back over several steps (the first ones answer first, running requests keep stepping) rather
+than all in one long step, and a history longer than the budget still comes back.
 
 When blocks run out, the least recently used pinned session is released first; only then is
 the lowest-priority running sequence preempted (its blocks freed, to be recomputed later from
@@ -73,8 +77,12 @@ class Scheduler:
         free_slots = self.max_num_seqs - len(self.running)
         if self.running and free_slots < min(self.admission_batch, len(self.waiting)):
             free_slots = 0
+        reloading = False
         while not preempted and self.waiting and budget > 0 and free_slots > 0:
             seq = self.waiting[0]
+            reload = self.kv.reload_tokens(seq)
+            if reloading and reload >= budget:
+                break
             num_new = self.kv.admit(seq, budget)
             while num_new == 0:
                 if not (self.kv.unpin_lru(keep=seq.session_id)
@@ -89,7 +97,8 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
-            budget -= num_new
+            budget -= num_new + reload
+            reloading = reloading or reload > 0
 
         batch.copies = self.kv.take_pending_copies()
         batch.offloads, batch.reloads = self.kv.take_transfers()

@@ -20,13 +20,13 @@ def test_tiered_kv_quick(tmp_path, tiny_model, capsys):
     assert module.main(["--quick", "--model", tiny_model, "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     text = (tmp_path / "tiered_kv_quick.txt").read_text()
-    for needle in ("returning-turn TTFT p50 (ms)", "prefill tokens computed, whole run",
+    for needle in ("returning-turn TTFT p50 (ms)", "prefill tokens computed, all turns",
                    "decode tok/s of other requests", "greedy answers identical"):
         assert needle in text and needle in printed
     raw = json.loads((tmp_path / "tiered_kv_quick.json").read_text())
     on, off = raw["on"], raw["off"]
     assert raw["figures"]["same_answers"] == len(on["answers"]) == len(off["answers"])
-    assert on["computed"][0] == off["computed"][0]  # turn 1: nothing to reuse in either
+    assert on["computed"][0] == off["computed"][0]  # the histories set up: nothing to reuse
     assert sum(on["computed"][1:]) < sum(off["computed"][1:])
     assert on["stats"]["host_cache_hits"] > 0 and off["stats"]["host_cache_hits"] == 0
     assert raw["decode_traffic"]["reloaded_blocks"] > 0
