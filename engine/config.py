@@ -53,7 +53,8 @@ class EngineConfig:
     gpu_memory_utilization: float = _flag(0.9, "fraction of GPU memory for weights, "
                                                "activations and the KV cache")
     max_num_seqs: int = _flag(128, "sequences per step at most")
-    max_num_batched_tokens: int = _flag(2048, "tokens per step at most (chunked prefill)")
+    max_num_batched_tokens: int = _flag(2048, "tokens per step at most, computed or copied back "
+                                        "from the host KV tier (chunked prefill)")
     max_model_len: int | None = _flag(None, "context length (default: the model's)")
     enable_prefix_caching: bool = _flag(True, "share KV blocks of equal prefixes")
     kv_offloading_size: float = _flag(0.0, "GiB of host memory for a second KV tier: blocks "
