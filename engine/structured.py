@@ -85,9 +85,11 @@ class GrammarCompiler:
         bitmask = self._bitmask[:shape[0]]
         _batch_matcher().batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask,
                                                        indices=rows)
-        # the copy may run ahead: the buffer is refilled only after this step's tokens are read
+        # the copy may run ahead: the buffer is refilled only after this step's tokens are read;
+        # with every row constrained, no row list goes to the device (a copy per step)
+        everyone = len(rows) == logits.shape[0]
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        indices=rows)
+                                        indices=None if everyone else rows)
 
     @staticmethod
     def accept(matchers: Sequence[Any], tokens: Sequence[int]) -> None:

@@ -54,3 +54,15 @@ def test_a_bad_specification_is_refused() -> None:
         StructuredOutput()
     with pytest.raises(ValueError):
         StructuredOutput(json_schema="{not json")
+
+
+def test_rows_without_a_grammar_are_not_masked_by_their_neighbours(llm: LLM) -> None:
+    """A batch of constrained and free rows: the free rows' greedy tokens are those they get
+    alone, and the constrained rows are still valid (masks go to their rows only)."""
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=120,
+                                 structured=StructuredOutput(json_schema=json.dumps(SCHEMA)))
+    alone = [llm.chat([p], free)[0].outputs[0].token_ids for p in (PROMPTS[0], PROMPTS[2])]
+    mixed = llm.chat(PROMPTS, [free, constrained, free, constrained])
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    check([mixed[1], mixed[3]])
