@@ -4,7 +4,7 @@ It is the CPU path of the engine and the oracle the Triton kernels are tested ag
 favours clarity, but batches decode rows into one padded SDPA call so CPU serving stays usable.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +92,10 @@ class AttentionPlan:
     decode_pad: torch.Tensor | None  # [rows, 1, 1, decode_len]: True past a context; None if none
     decode_tokens: torch.Tensor | None  # their query rows; None when they are all rows in order
     write_slots: torch.Tensor | None  # the step's cache slots (int64) if none is padding
+    # the step's rotary factors (see :func:`rotary_and_cache`): ``(sin, cos, signed sin)``,
+    # made by the first layer from the ``sin`` every layer is given, reused by the others
+    rotary: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=list, compare=False)
 
 
 def attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -243,6 +247,31 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + swapped * signed_sin
 
 
+def _rotary_factors(cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and the signed ``sin`` of :func:`_rotate`, per head; once per step with a plan."""
+    if plan is not None and plan.rotary and plan.rotary[0][0] is sin:
+        return plan.rotary[0][1], plan.rotary[0][2]
+    half = cos.shape[-1] // 2
+    factors = cos.unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), -1)[:, None]
+    if plan is not None:
+        plan.rotary[:] = [(sin, *factors)]
+    return factors
+
+
+def _heads_after(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """``query`` and ``key`` as one ``[tokens, heads + kv_heads, head_dim]`` view when the key
+    heads follow the query heads in memory (the columns of one fused q/k/v product), else None."""
+    n, heads, dim = query.shape
+    rows = query.stride(0)
+    if (query.stride() != (rows, dim, 1) or key.stride() != (rows, dim, 1)
+            or rows < (heads + key.shape[1]) * dim
+            or key.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()
+            or key.data_ptr() != query.data_ptr() + heads * dim * query.element_size()):
+        return None
+    return query.as_strided((n, heads + key.shape[1], dim), (rows, dim, 1))
+
+
 def rotary_and_cache(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -256,11 +285,16 @@ def rotary_and_cache(
     v_scale: float = 1.0,
     plan: AttentionPlan | None = None,
 ) -> None:
-    half = cos.shape[-1] // 2
-    cos, signed_sin = cos.unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), -1)[:, None]
-    query.copy_(_rotate(query, cos, signed_sin))
-    reshape_and_cache(_rotate(key, cos, signed_sin), value, key_cache, value_cache,
-                      slot_mapping, k_scale, v_scale, plan)
+    cos, signed_sin = _rotary_factors(cos, sin, plan)
+    both = _heads_after(query, key)
+    if both is None:
+        query.copy_(_rotate(query, cos, signed_sin))
+        key = _rotate(key, cos, signed_sin)
+    else:  # one rotation of the query and key heads together; the key stays unrotated
+        rotated = _rotate(both, cos, signed_sin)
+        query.copy_(rotated[:, :query.shape[1]])
+        key = rotated[:, query.shape[1]:]
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, plan)
 
 
 NOISE_GOLDEN, NOISE_MIX1, NOISE_MIX2 = 0x9E3779B1, 0x21F0AAAD, 0x735A2D97  # odd, < 2**32

@@ -68,3 +68,34 @@ def test_reference_reshape_and_cache_matches_loop() -> None:
     reference.reshape_and_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, want_k)
     assert torch.equal(value_cache, want_v)
+
+
+def test_rotary_of_fused_qkv_views_equals_rotary_of_separate_tensors() -> None:
+    """Query and key heads that are columns of one q/k/v product are rotated together (with
+    the rotary factors a plan keeps for its step's later layers): the same query, the same
+    cache, bit for bit, as with separate tensors, and the key itself is left unrotated."""
+    gen = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, dim, block_size = 5, 6, 2, 64, 4
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen)
+    q, k, v = (t.view(n, -1, dim) for t in qkv.split(
+        [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    angles = torch.rand(n, dim // 2, generator=gen) * 6.0
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    slots = torch.tensor([0, 5, 6, 9, 13])
+    tables = torch.arange(4, dtype=torch.int32)[None, :].repeat(n, 1)
+    plan = reference.attention_plan(tables, torch.tensor([n] * n), torch.arange(n + 1), slots,
+                                    block_size, kv_heads)
+    k_before = k.clone()
+    caches = [torch.zeros(4, block_size, kv_heads, dim) for _ in range(4)]
+    separate_q = q.clone()
+    reference.rotary_and_cache(separate_q, k.clone(), v, cos, sin, caches[0], caches[1], slots)
+    assert reference._heads_after(q, k) is not None  # the fused path is the one taken below
+    for _ in range(2):  # the second "layer" reuses the plan's factors
+        fused_q = qkv.clone()[:, :heads * dim].view(n, heads, dim)
+        fused_k = fused_q.as_strided(k.shape, k.stride(), heads * dim)
+        fused_k.copy_(k)
+        reference.rotary_and_cache(fused_q, fused_k, v, cos, sin, caches[2], caches[3], slots,
+                                   plan=plan)
+        assert torch.equal(fused_q, separate_q) and torch.equal(fused_k, k_before)
+        assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert len(plan.rotary) == 1 and plan.rotary[0][0] is sin
