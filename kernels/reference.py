@@ -221,7 +221,10 @@ def _decode(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm``: normalise in fp32, round, then scale by ``weight``."""
+    """transformers' ``LlamaRMSNorm``: normalise in fp32, round, then scale by ``weight``. In
+    float32 that is ``F.rms_norm``'s own arithmetic, in one call instead of six."""
+    if x.dtype == weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)

@@ -99,3 +99,16 @@ def test_rotary_of_fused_qkv_views_equals_rotary_of_separate_tensors() -> None:
         assert torch.equal(fused_q, separate_q) and torch.equal(fused_k, k_before)
         assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
     assert len(plan.rotary) == 1 and plan.rotary[0][0] is sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_transformers_llama_rms_norm_bit_for_bit(dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    norm.weight.data = torch.randn(576, generator=gen).to(dtype)
+    for scale in (1e-3, 1.0, 300.0):
+        x = (torch.randn(37, 576, generator=gen) * scale).to(dtype)
+        with torch.no_grad():
+            assert torch.equal(reference.rms_norm(x, norm.weight.data, 1e-5), norm(x))
