@@ -595,11 +595,18 @@ def run_info(args: argparse.Namespace, device: torch.device) -> dict:
     return info
 
 
+def prompt_vocab(model: str) -> int:
+    """Token ids random prompts draw from: a dummy preset's vocabulary, else the first 1,000
+    (ids every real tokenizer has)."""
+    if model.startswith("dummy:"):
+        return dummy_config(model.removeprefix("dummy:")).vocab_size
+    return 1000
+
+
 def correctness_prompts(args: argparse.Namespace) -> list[list[int]]:
     rng = np.random.default_rng(args.seed + 1)
     hi = 16 if args.quick else 300
-    vocab = (dummy_config(args.model.removeprefix("dummy:")).vocab_size
-             if args.model.startswith("dummy:") else 1000)
+    vocab = prompt_vocab(args.model)
     return [rng.integers(0, vocab, size=int(n)).tolist()
             for n in rng.integers(4, hi, size=args.correct_prompts)]
 

@@ -112,11 +112,8 @@ def decode_step_s(llm, batch: int, ctx: int, steps: int = 16) -> float:
 
 
 def run(args, log) -> dict:
-    from engine.loader import dummy_config
-
     n = args.tensor_parallel_size
-    vocab = (dummy_config(args.model.removeprefix("dummy:")).vocab_size
-             if args.model.startswith("dummy:") else 1000)
+    vocab = gpu_e2e.prompt_vocab(args.model)
     prompts = gpu_e2e.correctness_prompts(args)
     raw: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
     if args.single_rank == "all":

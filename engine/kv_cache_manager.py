@@ -68,11 +68,12 @@ class KVCacheManager:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def admit(self, seq: Sequence, token_budget: int) -> int:
+    def admit(self, seq: Sequence, token_budget: int) -> tuple[int, int]:
         """Give a waiting sequence its reused prefix and the blocks for its next chunk.
 
-        Returns the number of tokens to compute this step, or 0 (and changes nothing) when the
-        free blocks do not suffice. The last token is always computed, so logits exist."""
+        Returns the number of tokens to compute this step and the number copied back from the
+        host tier, or ``(0, 0)`` (and changes nothing) when the free blocks do not suffice.
+        The last token is always computed, so logits exist."""
         stale = self._pins.get(seq.session_id) if seq.session_id is not None else None
         if stale is not None and stale.cache_salt != seq.cache_salt:
             self._pins.unpin(stale.session_id)  # another tenant's KV under this session id
@@ -89,7 +90,7 @@ class KVCacheManager:
         else:
             available = self.pool.num_free - sum(1 for b in match.blocks if b.ref_cnt == 0)
         if needed > available:
-            return 0
+            return 0, 0
 
         if match.pinned is not None:
             taken = self._pins.take(match.pinned.session_id)
@@ -109,10 +110,11 @@ class KVCacheManager:
             self.host_hits += len(match.host_hits) * self.block_size
         grown = self.grow(seq, num_new)
         assert grown
-        return num_new
+        return num_new, len(match.host_hits) * self.block_size
 
     def reload_tokens(self, seq: Sequence) -> int:
-        """Tokens that admitting ``seq`` now would copy back from the host tier."""
+        """Tokens that admitting ``seq`` now would copy back from the host tier (what
+        :meth:`admit` reports, known before it commits anything)."""
         if self.host is None:
             return 0
         return len(self._match_prefix(seq).host_hits) * self.block_size

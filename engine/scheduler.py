@@ -80,15 +80,14 @@ class Scheduler:
         reloading = False
         while not preempted and self.waiting and budget > 0 and free_slots > 0:
             seq = self.waiting[0]
-            reload = self.kv.reload_tokens(seq)
-            if reloading and reload >= budget:
-                break
-            num_new = self.kv.admit(seq, budget)
+            if reloading and self.kv.reload_tokens(seq) >= budget:
+                break  # a second copy-back this step must leave room for a computed token
+            num_new, reload = self.kv.admit(seq, budget)
             while num_new == 0:
                 if not (self.kv.unpin_lru(keep=seq.session_id)
                         or (not self.running and self.kv.unpin_lru())):
                     break
-                num_new = self.kv.admit(seq, budget)
+                num_new, reload = self.kv.admit(seq, budget)
             if num_new == 0:
                 break
             self.waiting.popleft()

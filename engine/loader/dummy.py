@@ -44,17 +44,13 @@ _LLAMA31_8B: dict[str, object] = {
 
 PRESETS: dict[str, dict[str, object]] = {
     "llama-3.1-8b": _LLAMA31_8B,
+    # the rest of the Llama 3 family: the 8B's published values where theirs are the same
     "llama-3.1-70b": {**_LLAMA31_8B, "hidden_size": 8192, "intermediate_size": 28672,
                       "num_hidden_layers": 80, "num_attention_heads": 64},
-    "llama-3.2-1b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-        "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE_8K, "factor": 32.0},
-        "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": 128001,
-    },
+    "llama-3.2-1b": {**_LLAMA31_8B, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "head_dim": 64,
+                     "rope_scaling": {**_LLAMA3_ROPE_8K, "factor": 32.0},
+                     "tie_word_embeddings": True},
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
