@@ -3,18 +3,21 @@
 #   CUDA:           docker build -t chatgate:cuda \
 #                     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
 #                     --build-arg SYSTEM_PACKAGES="gcc libc6-dev" .
-# The CUDA image needs a C compiler: Triton builds a small C launcher (against the Python
-# headers this base image ships) the first time it runs a kernel. The CPU image has none.
+# Both images need a compiler at run time: the CPU image's g++ builds the fused CPU kernels
+# (kernels/cpu_native.cpp) for the host's CPU at first start, cached in the /cache volume;
+# Triton builds a small C launcher (against the Python headers this base image ships) the first
+# time it runs a kernel.
 FROM python:3.11-slim
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG SYSTEM_PACKAGES=""
+ARG SYSTEM_PACKAGES="g++"
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HUB_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false \
-    CHATGATE_CACHE_DIR=/cache
+    CHATGATE_CACHE_DIR=/cache \
+    TORCH_EXTENSIONS_DIR=/cache/torch_extensions
 
 WORKDIR /app
 

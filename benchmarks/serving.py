@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -176,8 +177,9 @@ def start_llama(args: argparse.Namespace, out: Path) -> Server | None:
         slots = args.llama_parallel
         cmd = [binary, "-m", gguf_path(), "--port", str(port), "--host", "127.0.0.1",
                "--parallel", str(slots), "-c", str(args.max_model_len * slots),
-               "-t", threads, "-tb", threads, "--cont-batching", "--no-webui"]
-        kind = f"llama-server (C++), --parallel {slots}"
+               "-t", threads, "-tb", threads, "--cont-batching", "--no-webui",
+               *shlex.split(args.llama_args)]
+        kind = f"llama-server (C++), --parallel {slots} {args.llama_args}".rstrip()
     elif args.baseline in ("auto", "llama-cpp-python"):
         try:
             import llama_cpp.server  # noqa: F401
@@ -333,6 +335,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--baseline-url", default="", help="a running OpenAI-compatible baseline")
     ap.add_argument("--llama-server-bin", default="")
     ap.add_argument("--llama-parallel", type=int, default=32, help="llama-server slots")
+    ap.add_argument("--llama-args", default="",
+                    help="extra flags for llama-server (e.g. --no-repack where its AMX "
+                         "matrix path crashes)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--max-model-len", type=int, default=1024)

@@ -120,6 +120,11 @@ class LlamaModel:
             for layer in self.layers:
                 self._quantize(layer, quantization)
             self.lm_head = Int8Linear(self.lm_head)  # see engine/quantization.py
+        # quantized on the CPU: the packed kernels read bfloat16 activations, which the fused
+        # CPU kernels write directly (norm, SiLU·mul); None where the elementwise steps are
+        # transformers' own op-by-op code (their rounding, for the float greedy oracle)
+        self.fused_cpu = (kernels.cpu_native.native()
+                          if quantization is not None and tp is None else None)
         rotary = LlamaRotaryEmbedding(config).to(self.device)
         positions = torch.arange(max_positions, device=self.device)[None, :]
         cos, sin = rotary(self.embed[:1], positions)
@@ -191,7 +196,10 @@ class LlamaModel:
         n = input_ids.shape[0]
         h = self._embed(input_ids)  # the residual stream, updated in place
         x = kernels.rms_norm(h, self.layers[0].input_norm, self.eps)
+        if self.fused_cpu is not None:
+            x = x.to(torch.bfloat16)
         cos, sin = self.cos[positions], self.sin[positions]
+        last = len(self.layers) - 1
         for index, (layer, next_norm, (k_scale, v_scale)) in enumerate(
                 zip(self.layers, self.next_norms, self.kv_scales, strict=True)):
             q, k, v = self._qkv(layer, x)
@@ -206,11 +214,20 @@ class LlamaModel:
                 meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
                 out=meta.attn_out, plan=meta.plan, k_scale=k_scale, v_scale=v_scale,
             )
-            x = kernels.add_rms_norm(self._reduced(_linear(o.reshape(n, -1), layer.o)), h,
-                                     layer.post_norm, self.eps)
-            x = kernels.add_rms_norm(self._reduced(_linear(self._gated(layer, x), layer.down)),
-                                     h, next_norm, self.eps)
+            x = self._add_norm(self._reduced(_linear(o.reshape(n, -1), layer.o)), h,
+                               layer.post_norm, final=False)
+            x = self._add_norm(self._reduced(_linear(self._gated(layer, x), layer.down)), h,
+                               next_norm, final=index == last)
         return x
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  final: bool) -> torch.Tensor:
+        """``residual += x``, then its RMSNorm: the next linear layer's input (bfloat16 on the
+        fused CPU path), or with ``final`` the hidden states (the model's dtype)."""
+        if self.fused_cpu is None:
+            return kernels.add_rms_norm(x, residual, weight, self.eps)
+        out = torch.empty(residual.shape, dtype=self.dtype if final else torch.bfloat16)
+        return self.fused_cpu.add_rms_norm(x, residual, weight, self.eps, out)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows of ``input_ids``; with tensor parallelism each rank looks up the ids
@@ -229,17 +246,20 @@ class LlamaModel:
     def _qkv(self, layer: _Layer, x: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if layer.qkv is not None:
-            qkv = _linear(x, layer.qkv, layer.qkv_bias)
+            qkv = _linear(x, layer.qkv, layer.qkv_bias).to(self.dtype)
             kv = self.num_kv_heads * self.head_dim
             return qkv.split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         return (F.linear(x, layer.q, layer.q_bias), F.linear(x, layer.k, layer.k_bias),
                 F.linear(x, layer.v, layer.v_bias))
 
-    @staticmethod
-    def _gated(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+    def _gated(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate(x)) * up(x)``."""
         if layer.gate_up is not None:
-            return kernels.silu_and_mul(_linear(x, layer.gate_up))
+            gate_up = _linear(x, layer.gate_up)
+            if self.fused_cpu is not None:
+                out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+                return self.fused_cpu.silu_and_mul(gate_up, out)
+            return kernels.silu_and_mul(gate_up)
         return F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

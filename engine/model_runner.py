@@ -207,7 +207,7 @@ class ModelRunner:
             block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
             max_query_len=max(lens), max_seq_len=max(lens),
             plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc, slot_mapping,
-                                        bs, self.model.num_kv_heads),
+                                        bs, self.model.num_kv_heads, self.model.dtype),
         )
         return meta, self._to_device(positions)
 
@@ -318,7 +318,8 @@ class ModelRunner:
             max_query_len=host["max_query_len"],
             max_seq_len=host["max_seq_len"],
             plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc, slot_mapping,
-                                        self.block_size, self.model.num_kv_heads),
+                                        self.block_size, self.model.num_kv_heads,
+                                        self.cache_dtype),
         )
         input_ids = self._to_device(host["input_ids"])
         if feed is not None:

@@ -12,13 +12,27 @@ greedy output equals transformers' only there.
   weights by each group's min and max gives back the GGUF's own 4-bit codes, so the model
   computes with the very weights llama.cpp reads. The output layer (tied to the embedding,
   Q8_0 in the packaged GGUF) stays ``int8``: 4 bits there cost more accuracy than the rest.
+
+Where the fused CPU kernels build with AVX512-VNNI (``kernels/cpu_native.cpp``), both modes
+multiply through them instead: activations quantized to int8 per group of 32 (llama.cpp's Q8_1)
+against the same weights, in integer dot products, the weight rows prefetched ahead. One kernel
+for every row count keeps a token's logits independent of how many rows share its step.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.cpu_native import native
+
 INT4_GROUP = 32  # Q4_1's block size
+
+
+def _vnni_kernels(width: int):  # noqa: ANN202 - the compiled module or None
+    """The fused CPU kernels' int8-activation products for inputs of ``width``, where they
+    run with VNNI (``kernels/cpu_native.cpp``); None elsewhere (torch's packed kernels)."""
+    fused = native()
+    return fused if fused is not None and fused.vnni and width % 64 == 0 else None
 
 
 class Int8Linear:
@@ -32,10 +46,18 @@ class Int8Linear:
             torch.int8)
         self.scales = scales
         self.bias = bias
+        self.fused = _vnni_kernels(w.shape[1])
+        if self.fused is not None:  # the fused kernel's form: unsigned codes w + 128
+            self.codes = (self.weight.to(torch.int16) + 128).to(torch.uint8)
+            self.row_scales = scales.to(torch.float32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
-        y = y.to(x.dtype)
+        if self.fused is not None:
+            y = self.fused.int8_linear(x, self.codes, self.row_scales,
+                                       x.new_empty(x.shape[0], self.codes.shape[0]))
+        else:
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight,
+                                          self.scales).to(x.dtype)
         return y if self.bias is None else y.add_(self.bias)
 
     def dequantized(self) -> torch.Tensor:
@@ -59,21 +81,33 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 class Int4Linear:
-    """``F.linear(x, weight, bias)`` with ``weight`` as :func:`int4_groups`, packed for the
-    CPU kernel (half a byte per weight plus two bfloat16 numbers per group)."""
+    """``F.linear(x, weight, bias)`` with ``weight`` as :func:`int4_groups`: half a byte per
+    weight plus two 16-bit numbers per group, packed for the fused CPU kernels (Q4_1 blocks:
+    float16 scale and minimum) or else for torch's kernel (bfloat16)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         codes, scale, low = int4_groups(weight)
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-        # the kernel's form: w = (code - 8) * scale + zero, [k / group, n, 2] in bfloat16
-        self.scales_and_zeros = torch.stack([scale, low + 8.0 * scale], dim=-1).transpose(
-            0, 1).contiguous().to(torch.bfloat16)
         self.bias = bias
+        n, k = codes.shape
+        self.fused = _vnni_kernels(k)
+        if self.fused is not None:
+            # two groups per 32 bytes: element e of the pair in byte e % 32, high nibble e >= 32
+            pairs = codes.view(n, k // 64, 2, 32).to(torch.uint8)
+            self.codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
+            self.scale, self.minimum = scale.to(torch.float16), low.to(torch.float16)
+        else:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+            # the kernel's form: w = (code - 8) * scale + zero, [k / group, n, 2] in bfloat16
+            self.scales_and_zeros = torch.stack([scale, low + 8.0 * scale], dim=-1).transpose(
+                0, 1).contiguous().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, INT4_GROUP,
-                                              self.scales_and_zeros)
-        y = y.to(x.dtype)
+        if self.fused is not None:
+            y = self.fused.int4_linear(x, self.codes, self.scale, self.minimum,
+                                       x.new_empty(x.shape[0], self.codes.shape[0]))
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
+                                                  INT4_GROUP, self.scales_and_zeros).to(x.dtype)
         return y if self.bias is None else y.add_(self.bias)
 
 

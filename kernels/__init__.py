@@ -19,6 +19,7 @@ the cache write, SiLU·mul) share the same dispatch: one fused Triton launch eac
 op-by-op torch code of transformers' Llama on CPU. So does the sampler's counter-based noise.
 """
 
+from kernels import cpu_native
 from kernels.dispatch import (
     add_rms_norm,
     attention_plan,
@@ -32,6 +33,7 @@ from kernels.dispatch import (
 )
 
 __all__ = [
+    "cpu_native",
     "add_rms_norm",
     "attention_plan",
     "exponential_noise",

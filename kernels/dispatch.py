@@ -3,6 +3,15 @@
 import torch
 
 from kernels import reference
+from kernels.cpu_native import native
+
+
+def _native_for(cache_dtype: torch.dtype):  # noqa: ANN202 - the compiled module or None
+    """The fused CPU kernels when they take a cache of this dtype (float32, bfloat16), else
+    None (FP8 caches, or no compiler: the torch reference)."""
+    if cache_dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return native()
 
 
 def reshape_and_cache(
@@ -50,6 +59,11 @@ def paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
             scale, max_query_len, max_seq_len, out=out, k_scale=k_scale, v_scale=v_scale,
         )
+    fused = _native_for(key_cache.dtype)
+    if fused is not None:
+        out = torch.empty_like(query) if out is None else out
+        return fused.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                     query_start_loc, scale, out)
     return reference.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         scale, max_query_len, max_seq_len, out=out, plan=plan, k_scale=k_scale,
@@ -59,10 +73,11 @@ def paged_attention(
 
 def attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
-                   num_kv_heads: int) -> reference.AttentionPlan | None:
+                   num_kv_heads: int, cache_dtype: torch.dtype) -> reference.AttentionPlan | None:
     """The index work of a step's attention, shared by all its layers: computed once per step
-    on the CPU; None on CUDA (the kernels index the block tables themselves)."""
-    if block_tables.is_cuda:
+    for the CPU's torch reference; None where the kernels index the block tables themselves
+    (CUDA, and the fused CPU kernels)."""
+    if block_tables.is_cuda or _native_for(cache_dtype) is not None:
         return None
     return reference.attention_plan(block_tables, seq_lens, query_start_loc, slot_mapping,
                                     block_size, num_kv_heads)
@@ -130,6 +145,9 @@ def rotary_and_cache(
 
         triton_fused.rotary_and_cache(query, key, value, cos, sin, key_cache, value_cache,
                                       slot_mapping, k_scale, v_scale)
+    elif (fused := _native_for(key_cache.dtype)) is not None:
+        fused.rotary_and_cache(query, key, value, cos, sin, key_cache, value_cache,
+                               slot_mapping)
     else:
         reference.rotary_and_cache(query, key, value, cos, sin, key_cache, value_cache,
                                    slot_mapping, k_scale, v_scale, plan)

@@ -1,6 +1,8 @@
 """Suite-wide setup. Triton kernels run on CPU through the interpreter; ``TRITON_INTERPRET``
 must be set before anything imports Triton, so it is set here, before any test module loads.
-``tiny_model``: a tiny random-weight Llama for tests that need speed, not text."""
+The fused CPU kernels are built (or loaded from the build cache) once at the start, so no
+test's server start-up waits for the compiler. ``tiny_model``: a tiny random-weight Llama for
+tests that need speed, not text."""
 
 import importlib.util
 import json
@@ -20,6 +22,11 @@ TINY = {
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
 }
 
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    from kernels.cpu_native import native
+
+    native()
 
 
 @pytest.fixture(scope="session")

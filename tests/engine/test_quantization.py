@@ -84,6 +84,19 @@ def test_unknown_or_gpu_quantization_is_refused() -> None:
     check_quantization(None, torch.device("cuda"))
 
 
+@pytest.mark.parametrize("layer_type", [Int8Linear, Int4Linear])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(layer_type) -> None:
+    """Each row's output is the same alone, in a tile of four and in a ragged batch: a token's
+    logits do not change with how many rows share its step (seeded sampling repeats)."""
+    torch.manual_seed(0)
+    layer = layer_type(torch.randn(200, 128) * 0.05)
+    x = torch.randn(11, 128)
+    together = layer(x)
+    for r in range(11):
+        assert torch.equal(layer(x[r:r + 1])[0], together[r])
+        assert torch.equal(layer(x[r:])[0], together[r])
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_engine_picks_float32s_greedy_token_at_nearly_every_forced_position(
         quantization: str) -> None:

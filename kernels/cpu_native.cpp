@@ -1,0 +1,632 @@
+// Fused CPU kernels of the kernel contract (kernels/__init__.py), built at first use by
+// kernels/cpu_native.py. Compiled with -ffp-contract=off: no multiply-add is fused, so the
+// rotary rounds exactly where transformers' op-by-op torch code rounds.
+//
+// - paged_attention: every row of a varlen batch (decode and extend) reads its keys and values
+//   through the block table in place, with float32 scores and accumulators; no gathered copy.
+// - rotary_and_cache: rotates query heads in place and writes rotated keys and values into their
+//   cache slots, in one pass.
+// - add_rms_norm / silu_and_mul: the decoder's elementwise steps in one pass each, for the
+//   quantized path (they round differently from transformers' torch code).
+// - int4_linear / int8_linear: few-row products with Q4_1-style weights (4-bit codes in groups of 32, each
+//   group with a scale and a minimum), activations quantized to int8 per group of 32 (Q8_1) and
+//   multiplied in integer dot products (VNNI), as llama.cpp multiplies a Q4_1 tensor; int8_linear
+//   likewise with int8 weights and one scale per output row (AVX512-VNNI; a plain loop
+//   elsewhere). Both prefetch the rows ahead: cold weights are the time of a decode step.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using BF16 = c10::BFloat16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(BF16 x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+
+template <typename Fn>
+void dispatch_float(const at::Tensor& t, const char* name, Fn&& fn) {
+  if (t.scalar_type() == at::kFloat) {
+    fn(float{});
+  } else if (t.scalar_type() == at::kBFloat16) {
+    fn(BF16{});
+  } else {
+    TORCH_CHECK(false, name, ": float32 or bfloat16 only, got ", t.scalar_type());
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+// One unit of attention work: query tokens [begin, end) of one sequence against one KV head.
+struct Item {
+  int64_t seq, kv_head, begin, end;
+};
+
+constexpr int64_t kChunk = 16;  // query tokens per work item (extend rows)
+
+template <typename Q, typename C, typename O>
+void attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
+                      const at::Tensor& value_cache, const at::Tensor& block_tables,
+                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                      double scale_, at::Tensor& out) {
+  const int64_t heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
+  const int64_t group = heads / kv_heads;
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t table_row = block_tables.stride(0);
+  const Q* q = query.data_ptr<Q>();
+  const C* kc = key_cache.data_ptr<C>();
+  const C* vc = value_cache.data_ptr<C>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  O* o = out.data_ptr<O>();
+  const float scale = static_cast<float>(scale_);
+
+  std::vector<Item> items;
+  for (int64_t s = 0; s < seq_lens.size(0); ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      for (int64_t b = 0; b < q_len; b += kChunk) {
+        items.push_back({s, g, b, std::min(b + kChunk, q_len)});
+      }
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qf, scores, acc;
+    for (int64_t i = lo; i < hi; ++i) {
+      const Item& it = items[i];
+      const int64_t first = lens[it.seq] - (starts[it.seq + 1] - starts[it.seq]);
+      const int64_t rows = (it.end - it.begin) * group;  // (query token, head) pairs
+      const int64_t longest = first + it.end;              // keys the last token sees
+      const int32_t* table = tables + it.seq * table_row;
+      qf.resize(rows * dim);
+      scores.resize(rows * longest);
+      acc.assign(rows * dim, 0.0f);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t token = starts[it.seq] + it.begin + r / group;
+        const Q* src = q + token * q_row + (it.kv_head * group + r % group) * q_head;
+        for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] = to_float(src[d]);
+      }
+      for (int64_t p = 0; p < longest; ++p) {
+        const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size +
+                             p % block_size;
+        const C* k = kc + (slot * kv_heads + it.kv_head) * dim;
+        // rows of token j see keys 0..first + j: skip the tokens that come before p
+        const int64_t from = std::max<int64_t>(0, p - first - it.begin) * group;
+        for (int64_t r = from; r < rows; ++r) {
+          const float* x = &qf[r * dim];
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += x[d] * to_float(k[d]);
+          scores[r * longest + p] = dot * scale;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = first + it.begin + r / group + 1;
+        float* row = &scores[r * longest];
+        float top = -INFINITY;
+        for (int64_t p = 0; p < n; ++p) top = std::max(top, row[p]);
+        float sum = 0.0f;
+        for (int64_t p = 0; p < n; ++p) {
+          row[p] = std::exp(row[p] - top);
+          sum += row[p];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t p = 0; p < n; ++p) row[p] *= inv;
+      }
+      for (int64_t p = 0; p < longest; ++p) {
+        const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size +
+                             p % block_size;
+        const C* v = vc + (slot * kv_heads + it.kv_head) * dim;
+        const int64_t from = std::max<int64_t>(0, p - first - it.begin) * group;
+        for (int64_t r = from; r < rows; ++r) {
+          const float w = scores[r * longest + p];
+          float* a = &acc[r * dim];
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) a[d] += w * to_float(v[d]);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t token = starts[it.seq] + it.begin + r / group;
+        O* dst = o + token * o_row + (it.kv_head * group + r % group) * o_head;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<O>(acc[r * dim + d]);
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                           double scale, at::Tensor out) {
+  check_rows(query, "query");
+  check_rows(out, "out");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "the caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "block_tables, seq_lens and query_start_loc must be int32");
+  TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous() &&
+                  query_start_loc.is_contiguous(),
+              "block_tables rows, seq_lens and query_start_loc must be contiguous");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  dispatch_float(query, "query", [&](auto q_type) {
+    dispatch_float(key_cache, "key_cache", [&](auto c_type) {
+      dispatch_float(out, "out", [&](auto o_type) {
+        attention_kernel<decltype(q_type), decltype(c_type), decltype(o_type)>(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out);
+      });
+    });
+  });
+  return out;
+}
+
+// transformers' x * cos + rotate_half(x) * sin, rounding to T after each op as torch does.
+template <typename T>
+inline void rotate(const T* x, const T* cos, const T* sin, int64_t half, float* y) {
+  for (int64_t d = 0; d < 2 * half; ++d) {
+    const float swapped = d < half ? -to_float(x[d + half]) : to_float(x[d - half]);
+    const float a = to_float(from_float<T>(to_float(x[d]) * to_float(cos[d])));
+    const float b = to_float(from_float<T>(swapped * to_float(sin[d])));
+    y[d] = to_float(from_float<T>(a + b));
+  }
+}
+
+template <typename T, typename C>
+void rotary_cache_kernel(at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key_cache,
+                         at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const int64_t tokens = query.size(0), heads = query.size(1), kv_heads = key.size(1);
+  const int64_t dim = query.size(2), half = dim / 2;
+  T* q = query.data_ptr<T>();
+  const T* k = key.data_ptr<T>();
+  const T* v = value.data_ptr<T>();
+  const T* c = cos.data_ptr<T>();
+  const T* s = sin.data_ptr<T>();
+  C* kc = key_cache.data_ptr<C>();
+  C* vc = value_cache.data_ptr<C>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  const int64_t k_row = key.stride(0), k_head = key.stride(1);
+  const int64_t v_row = value.stride(0), v_head = value.stride(1);
+  const int64_t c_row = cos.stride(0), s_row = sin.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<float> y(dim);
+    for (int64_t t = lo; t < hi; ++t) {
+      const T* ct = c + t * c_row;
+      const T* st = s + t * s_row;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = q + t * q_row + h * q_head;
+        rotate(x, ct, st, half, y.data());
+        for (int64_t d = 0; d < dim; ++d) x[d] = from_float<T>(y[d]);
+      }
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;  // padding
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rotate(k + t * k_row + h * k_head, ct, st, half, y.data());
+        C* kd = kc + (slot * kv_heads + h) * dim;
+        C* vd = vc + (slot * kv_heads + h) * dim;
+        const T* vs = v + t * v_row + h * v_head;
+        for (int64_t d = 0; d < dim; ++d) {
+          kd[d] = from_float<C>(y[d]);
+          vd[d] = from_float<C>(to_float(vs[d]));
+        }
+      }
+    }
+  });
+}
+
+void rotary_and_cache(at::Tensor query, const at::Tensor& key, const at::Tensor& value,
+                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor key_cache,
+                      at::Tensor value_cache, const at::Tensor& slot_mapping) {
+  for (const at::Tensor& t : {query, key, value, cos, sin}) check_rows(t, "rotary input");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() &&
+                  value.scalar_type() == query.scalar_type() &&
+                  cos.scalar_type() == query.scalar_type() &&
+                  sin.scalar_type() == query.scalar_type(),
+              "query, key, value, cos and sin must share a dtype");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "the caches must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64");
+  TORCH_CHECK(query.size(2) % 2 == 0, "head_dim must be even");
+  dispatch_float(query, "query", [&](auto t_type) {
+    dispatch_float(key_cache, "key_cache", [&](auto c_type) {
+      rotary_cache_kernel<decltype(t_type), decltype(c_type)>(
+          query, key, value, cos, sin, key_cache, value_cache, slot_mapping);
+    });
+  });
+}
+
+// residual += x; returns rms_norm(residual) * weight in out's dtype (float32 statistics).
+template <typename X, typename O>
+void add_rms_norm_kernel(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                         double eps, at::Tensor& out) {
+  const int64_t tokens = residual.size(0), width = residual.size(1);
+  const X* xs = x.data_ptr<X>();
+  float* res = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  O* o = out.data_ptr<O>();
+  const int64_t x_row = x.stride(0), r_row = residual.stride(0), o_row = out.stride(0);
+  at::parallel_for(0, tokens, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      float* r = res + t * r_row;
+      const X* a = xs + t * x_row;
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t d = 0; d < width; ++d) {
+        r[d] += to_float(a[d]);
+        squares += r[d] * r[d];
+      }
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(width) +
+                                         static_cast<float>(eps));
+      O* y = o + t * o_row;
+      for (int64_t d = 0; d < width; ++d) y[d] = from_float<O>(w[d] * (r[d] * inv));
+    }
+  });
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
+                        double eps, at::Tensor out) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                  residual.stride(-1) == 1 && weight.is_contiguous(),
+              "residual and weight must be float32, contiguous in their last dimension");
+  dispatch_float(x, "x", [&](auto x_type) {
+    dispatch_float(out, "out", [&](auto o_type) {
+      add_rms_norm_kernel<decltype(x_type), decltype(o_type)>(x, residual, weight, eps, out);
+    });
+  });
+  return out;
+}
+
+template <typename X, typename O>
+void silu_and_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t tokens = out.size(0), width = out.size(1);
+  const X* g = gate_up.data_ptr<X>();
+  O* o = out.data_ptr<O>();
+  const int64_t g_row = gate_up.stride(0), o_row = out.stride(0);
+  at::parallel_for(0, tokens, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const X* gate = g + t * g_row;
+      const X* up = gate + width;
+      O* y = o + t * o_row;
+      for (int64_t d = 0; d < width; ++d) {
+        const float a = to_float(gate[d]);
+        y[d] = from_float<O>(a / (1.0f + std::exp(-a)) * to_float(up[d]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
+  check_rows(gate_up, "gate_up");
+  check_rows(out, "out");
+  TORCH_CHECK(gate_up.size(1) == 2 * out.size(1), "gate_up must be twice out's width");
+  dispatch_float(gate_up, "gate_up", [&](auto x_type) {
+    dispatch_float(out, "out", [&](auto o_type) {
+      silu_and_mul_kernel<decltype(x_type), decltype(o_type)>(gate_up, out);
+    });
+  });
+  return out;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kPair = 2 * kGroup;  // the weights pack two groups in 32 bytes
+
+// x [rows, k] as int8 codes per group of 32 with the group's step d and d * sum(codes).
+template <typename X>
+void quantize_rows(const X* x, int64_t x_row, int64_t rows, int64_t k, int8_t* q, float* d,
+                   float* sums) {
+  const int64_t groups = k / kGroup;
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const X* src = x + m * x_row + g * kGroup;
+      float top = 0.0f;
+      for (int64_t j = 0; j < kGroup; ++j) top = std::max(top, std::fabs(to_float(src[j])));
+      const float step = top / 127.0f;
+      const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+      int32_t total = 0;
+      int8_t* dst = q + (m * groups + g) * kGroup;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        dst[j] = static_cast<int8_t>(std::nearbyint(to_float(src[j]) * inv));
+        total += dst[j];
+      }
+      d[m * groups + g] = step;
+      sums[m * groups + g] = step * static_cast<float>(total);
+    }
+  }
+}
+
+inline float half_to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+// The minimum's part of one weight row times one activation row, sum(minimum * d * sum(q)),
+// and each group's combined step scale * d into ``step``.
+inline float int4_offset_and_steps(const at::Half* scale, const at::Half* minimum,
+                                   int64_t groups, const float* d, const float* sums,
+                                   float* step) {
+  int64_t g = 0;
+  float offset = 0.0f;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512 offsets = _mm512_setzero_ps();
+  for (; g + 16 <= groups; g += 16) {
+    const __m512 s = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g)));
+    const __m512 m = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + g)));
+    _mm512_storeu_ps(step + g, _mm512_mul_ps(s, _mm512_loadu_ps(d + g)));
+    offsets = _mm512_fmadd_ps(m, _mm512_loadu_ps(sums + g), offsets);
+  }
+  offset = _mm512_reduce_add_ps(offsets);
+#endif
+  for (; g < groups; ++g) {
+    step[g] = half_to_float(scale[g]) * d[g];
+    offset += half_to_float(minimum[g]) * sums[g];
+  }
+  return offset;
+}
+
+// One weight row against R quantized activation rows (row r at q + r * q_row, its steps and
+// sums at r * groups), written to out[0..R). Each row's arithmetic is the same for every R, so
+// a row's result does not depend on how many rows share the call. ``codes``: 32 bytes per two
+// groups, element e (0..63) of the pair in byte e % 32, low nibble for e < 32. ``step``:
+// scratch of R * groups floats.
+template <int R>
+inline void int4_dot_rows(const uint8_t* codes, const at::Half* scale, const at::Half* minimum,
+                          int64_t groups, const int8_t* q, int64_t q_row, const float* d,
+                          const float* sums, float* step, float* out) {
+  float offset[R];
+  for (int r = 0; r < R; ++r) {
+    offset[r] = int4_offset_and_steps(scale, minimum, groups, d + r * groups,
+                                      sums + r * groups, step + r * groups);
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const __m256i low_bits = _mm256_set1_epi8(0x0F);
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  auto pair = [&](int64_t at, int slot) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + at * 16));
+    const __m512i w = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_and_si256(packed, low_bits)),
+        _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_bits), 1);
+    for (int r = 0; r < R; ++r) {
+      const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                               _mm512_loadu_si512(q + r * q_row + at * kGroup));
+      const __m512 steps = _mm512_permutexvar_ps(
+          halves, _mm512_castpd_ps(_mm512_castpd128_pd512(_mm_load_sd(
+                      reinterpret_cast<const double*>(step + r * groups + at)))));
+      acc[r][slot] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), steps, acc[r][slot]);
+    }
+  };
+  int64_t p = 0;
+  for (; p + 4 <= groups; p += 4) {
+    pair(p, 0);
+    pair(p + 2, 1);
+  }
+  if (p < groups) pair(p, 0);
+  for (int r = 0; r < R; ++r) {
+    out[r] = offset[r] + _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    float total = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t dot = 0;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const int64_t e = (g % 2) * kGroup + j;  // the element's place in its pair
+        const uint8_t byte = codes[(g / 2) * 32 + e % 32];
+        dot += (e < 32 ? byte & 0x0F : byte >> 4) * q[r * q_row + g * kGroup + j];
+      }
+      total += static_cast<float>(dot) * step[r * groups + g];
+    }
+    out[r] = offset[r] + total;
+  }
+#endif
+}
+
+constexpr int64_t kTile = 4;   // activation rows per pass over a weight row
+constexpr int64_t kAhead = 8;  // weight rows prefetched ahead
+
+template <typename X, typename O>
+void int4_linear_kernel(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& minimums, at::Tensor& out) {
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / kGroup;
+  std::vector<int8_t> q(rows * k);
+  std::vector<float> d(rows * groups), sums(rows * groups);
+  quantize_rows(x.data_ptr<X>(), x.stride(0), rows, k, q.data(), d.data(), sums.data());
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const at::Half* sc = scales.data_ptr<at::Half>();
+  const at::Half* mn = minimums.data_ptr<at::Half>();
+  O* o = out.data_ptr<O>();
+  const int64_t o_row = out.stride(0);
+  at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
+    std::vector<float> step(kTile * groups);
+    float result[kTile];
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i + kAhead < hi) {
+        const uint8_t* ahead = c + (i + kAhead) * groups * 16;
+        for (int64_t b = 0; b < groups * 16; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        _mm_prefetch(sc + (i + kAhead) * groups, _MM_HINT_T0);
+        _mm_prefetch(mn + (i + kAhead) * groups, _MM_HINT_T0);
+      }
+      const uint8_t* row = c + i * groups * 16;
+      for (int64_t m = 0; m < rows;) {
+        const int64_t tile = rows - m >= kTile ? kTile : 1;
+        const int8_t* qm = q.data() + m * k;
+        if (tile == kTile) {
+          int4_dot_rows<kTile>(row, sc + i * groups, mn + i * groups, groups, qm, k,
+                               d.data() + m * groups, sums.data() + m * groups, step.data(),
+                               result);
+        } else {
+          int4_dot_rows<1>(row, sc + i * groups, mn + i * groups, groups, qm, k,
+                           d.data() + m * groups, sums.data() + m * groups, step.data(),
+                           result);
+        }
+        for (int64_t r = 0; r < tile; ++r) o[(m + r) * o_row + i] = from_float<O>(result[r]);
+        m += tile;
+      }
+    }
+  });
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& minimums, at::Tensor out) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(x.size(1) % kPair == 0, "int4_linear: input width must be a multiple of 64");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(1) == x.size(1) / 2,
+              "codes must be contiguous uint8 [n, k / 2]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && minimums.scalar_type() == at::kHalf &&
+                  scales.is_contiguous() && minimums.is_contiguous(),
+              "scales and minimums must be contiguous float16 [n, k / 32]");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == codes.size(0), "out must be [rows, n]");
+  dispatch_float(x, "x", [&](auto x_type) {
+    dispatch_float(out, "out", [&](auto o_type) {
+      int4_linear_kernel<decltype(x_type), decltype(o_type)>(x, codes, scales, minimums, out);
+    });
+  });
+  return out;
+}
+
+// One row of int8 weights stored as unsigned (w + 128) against R quantized activation rows:
+// for each, the sum over groups of d[g] * dot(w + 128, q) (the caller removes the
+// 128 * sum(q) part). ``steps``: each row's pairs of groups' steps spread over 16 lanes.
+// As for int4, each row's arithmetic is the same for every R.
+template <int R>
+inline void int8_dot_rows(const uint8_t* codes, int64_t groups, const int8_t* q, int64_t q_row,
+                          const float* steps, int64_t steps_row, float* out) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  auto pair = [&](int64_t at, int slot) {
+    const __m512i w = _mm512_loadu_si512(codes + at * kGroup);
+    for (int r = 0; r < R; ++r) {
+      const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                               _mm512_loadu_si512(q + r * q_row + at * kGroup));
+      acc[r][slot] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots),
+                                     _mm512_loadu_ps(steps + r * steps_row + at * 8),
+                                     acc[r][slot]);
+    }
+  };
+  int64_t p = 0;
+  for (; p + 4 <= groups; p += 4) {
+    pair(p, 0);
+    pair(p + 2, 1);
+  }
+  if (p < groups) pair(p, 0);
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+#else
+  for (int r = 0; r < R; ++r) {
+    float total = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t dot = 0;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        dot += codes[g * kGroup + j] * q[r * q_row + g * kGroup + j];
+      }
+      total += static_cast<float>(dot) * steps[r * steps_row + (g / 2) * 16 + (g % 2) * 8];
+    }
+    out[r] = total;
+  }
+#endif
+}
+
+template <typename X, typename O>
+void int8_linear_kernel(const at::Tensor& x, const at::Tensor& codes,
+                        const at::Tensor& row_scales, at::Tensor& out) {
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / kGroup;
+  std::vector<int8_t> q(rows * k);
+  std::vector<float> d(rows * groups), sums(rows * groups), steps(rows * groups * 8);
+  std::vector<float> bias(rows, 0.0f);  // 128 * sum(x): what the unsigned weights add
+  quantize_rows(x.data_ptr<X>(), x.stride(0), rows, k, q.data(), d.data(), sums.data());
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      std::fill_n(&steps[(m * groups / 2 + g / 2) * 16 + (g % 2) * 8], 8, d[m * groups + g]);
+      bias[m] += 128.0f * sums[m * groups + g];
+    }
+  }
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* scale = row_scales.data_ptr<float>();
+  O* o = out.data_ptr<O>();
+  const int64_t o_row = out.stride(0), steps_row = groups * 8;
+  at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
+    float result[kTile];
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i + kAhead < hi) {
+        for (int64_t b = 0; b < k; b += 64) _mm_prefetch(c + (i + kAhead) * k + b, _MM_HINT_T0);
+      }
+      for (int64_t m = 0; m < rows;) {
+        const int64_t tile = rows - m >= kTile ? kTile : 1;
+        const int8_t* qm = q.data() + m * k;
+        const float* sm = steps.data() + m * steps_row;
+        if (tile == kTile) {
+          int8_dot_rows<kTile>(c + i * k, groups, qm, k, sm, steps_row, result);
+        } else {
+          int8_dot_rows<1>(c + i * k, groups, qm, k, sm, steps_row, result);
+        }
+        for (int64_t r = 0; r < tile; ++r) {
+          o[(m + r) * o_row + i] = from_float<O>(scale[i] * (result[r] - bias[m + r]));
+        }
+        m += tile;
+      }
+    }
+  });
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes,
+                       const at::Tensor& row_scales, at::Tensor out) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(x.size(1) % kPair == 0, "int8_linear: input width must be a multiple of 64");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(1) == x.size(1),
+              "codes must be contiguous uint8 [n, k] (weights + 128)");
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.is_contiguous(),
+              "row_scales must be contiguous float32 [n]");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == codes.size(0), "out must be [rows, n]");
+  dispatch_float(x, "x", [&](auto x_type) {
+    dispatch_float(out, "out", [&](auto o_type) {
+      int8_linear_kernel<decltype(x_type), decltype(o_type)>(x, codes, row_scales, out);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention);
+  m.def("rotary_and_cache", &rotary_and_cache);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("int4_linear", &int4_linear);
+  m.def("int8_linear", &int8_linear);
+  m.attr("vnni") = kVnni;
+}

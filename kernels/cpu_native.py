@@ -1,0 +1,49 @@
+"""The fused CPU kernels of ``cpu_native.cpp``, compiled for this CPU at first use.
+
+Building needs a C++ compiler and ninja (``torch.utils.cpp_extension``); the build is cached
+under ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``), so only the first engine on a
+machine waits for it (about a minute on two cores). Without a compiler, or with
+``CHATGATE_CPU_KERNELS=0``, :func:`native` is None and the CPU runs ``kernels.reference``.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger("kernels.cpu_native")
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+DISABLE = "CHATGATE_CPU_KERNELS"
+
+
+def _cpu_key() -> str:
+    """A short hash of this CPU's features: a build for another CPU (``-march=native``) is
+    never loaded here."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def native() -> ModuleType | None:
+    """The compiled module, or None when it is disabled or cannot be built (logged once)."""
+    if os.environ.get(DISABLE, "1") == "0":
+        return None
+    from torch.utils import cpp_extension
+
+    logger.info("loading the fused CPU kernels (compiled once per machine: ~1 min)")
+    try:
+        return cpp_extension.load(name=f"chatgate_cpu_{_cpu_key()}", sources=[str(SOURCE)],
+                                  extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+    except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, a failed build
+        logger.warning("fused CPU kernels unavailable, using the torch reference: %s",
+                       str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        return None

@@ -1,0 +1,140 @@
+"""The fused CPU kernels (``kernels/cpu_native.cpp``) against the torch reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from kernels import reference
+from kernels.cpu_native import native
+
+pytestmark = pytest.mark.skipif(native() is None, reason="no C++ compiler to build the kernels")
+
+
+@pytest.mark.parametrize(
+    ("seqs", "group", "block_size"),
+    [
+        ([(1, 1), (1, 17), (1, 40)], 1, 8),  # pure decode, partial last blocks
+        ([(1, 9), (6, 6), (4, 21), (1, 3)], 3, 8),  # mixed, prefill and cached prefix
+        ([(5, 37), (0, 12), (1, 16)], 4, 16),  # a q_len 0 row between others
+        ([(40, 40), (19, 300), (1, 1000)], 3, 16),  # extends longer than a work item
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_the_reference(batch_factory, seqs, group, block_size,
+                                               dtype) -> None:
+    batch = batch_factory(seqs, num_kv_heads=2, group=group, head_dim=64,
+                          block_size=block_size, dtype=dtype)
+    want = reference.paged_attention(*batch.args()).float()
+    out = torch.full_like(batch.query, float("nan"))
+    got = native().paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                   batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                   batch.scale, out)
+    assert got is out
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_paged_attention_takes_float32_queries_over_a_bfloat16_cache_into_bfloat16(
+        batch_factory) -> None:
+    batch = batch_factory([(1, 33), (7, 20)], num_kv_heads=3, group=3, head_dim=64,
+                          block_size=16, dtype=torch.float32)
+    key_cache, value_cache = batch.key_cache.bfloat16(), batch.value_cache.bfloat16()
+    args = list(batch.args())
+    args[1], args[2] = key_cache.float(), value_cache.float()
+    want = reference.paged_attention(*args)
+    out = torch.empty_like(batch.query, dtype=torch.bfloat16)
+    native().paged_attention(batch.query, key_cache, value_cache, batch.block_tables,
+                             batch.seq_lens, batch.query_start_loc, batch.scale, out)
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_cache_is_transformers_rotary_bit_for_bit(dtype) -> None:
+    """Rotated query (in place) and cached key equal transformers' ``apply_rotary_pos_emb``
+    exactly; values are cached as they are; padding slots (-1) write nothing."""
+    gen = torch.Generator().manual_seed(7)
+    n, heads, kv_heads, dim, block_size = 6, 9, 3, 64, 4
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q, k, v = (t.view(n, -1, dim) for t in qkv.split(
+        [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    angles = torch.rand(n, dim // 2, generator=gen) * 900.0
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    slots = torch.tensor([0, 5, -1, 9, 13, 2])
+    key_cache = torch.zeros(4, block_size, kv_heads, dim, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    want_key_cache, want_value_cache = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(want_k, v, want_key_cache, want_value_cache,
+                                slots)
+    native().rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache, slots)
+    assert torch.equal(q, want_q)
+    assert torch.equal(key_cache, want_key_cache)
+    assert torch.equal(value_cache, want_value_cache)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_adds_into_the_residual_and_normalises(x_dtype) -> None:
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 576, generator=gen).to(x_dtype)
+    residual = torch.randn(5, 576, generator=gen) * 30.0
+    weight = torch.randn(576, generator=gen)
+    want_residual = residual + x.float()
+    want = reference.rms_norm(want_residual, weight, 1e-5)
+    out = torch.empty(5, 576, dtype=torch.bfloat16)
+    native().add_rms_norm(x, residual, weight, 1e-5, out)
+    torch.testing.assert_close(residual, want_residual)
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_silu_and_mul_matches_torch() -> None:
+    gen = torch.Generator().manual_seed(11)
+    gate_up = torch.randn(3, 2 * 1536, generator=gen) * 4.0
+    out = torch.empty(3, 1536)
+    native().silu_and_mul(gate_up, out)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as the kernels quantize it: int8 codes per group of 32 and each group's step."""
+    groups = x.view(x.shape[0], -1, 32)
+    step = groups.abs().amax(-1) / 127.0
+    codes = torch.round(groups / torch.where(step > 0, step, 1.0)[..., None])
+    return codes, step
+
+
+def test_int4_linear_is_the_q4_1_by_q8_product() -> None:
+    """Weights as 4-bit codes with a float16 scale and minimum per group of 32 (two groups per
+    32 bytes, the second in the high nibbles), activations as int8 codes per group of 32: the
+    sum over groups of scale * step * (codes . codes) + minimum * step * sum(codes)."""
+    from engine.quantization import int4_groups
+
+    gen = torch.Generator().manual_seed(13)
+    weight, x = torch.randn(200, 192, generator=gen), torch.randn(3, 192, generator=gen)
+    codes, scale, low = int4_groups(weight)
+    pairs = codes.view(200, 3, 2, 32).to(torch.uint8)
+    packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(200, 96)
+    scale, low = scale.half(), low.half()
+    q, step = _quantized_rows(x)
+    w = codes.view(200, 6, 32).double()
+    dots = torch.einsum("ngj,mgj->mng", w, q.double())
+    want = (dots * scale.double()[None] * step.double()[:, None]
+            + low.double()[None] * (step.double() * q.double().sum(-1))[:, None]).sum(-1)
+    out = torch.empty(3, 200)
+    native().int4_linear(x, packed, scale, low, out)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_int8_linear_is_the_int8_by_q8_product() -> None:
+    gen = torch.Generator().manual_seed(17)
+    weight = torch.randint(-127, 128, (300, 128), generator=gen, dtype=torch.int8)
+    row_scales, x = torch.rand(300, generator=gen), torch.randn(2, 128, generator=gen) * 5
+    q, step = _quantized_rows(x)
+    dots = torch.einsum("ngj,mgj->mng", weight.view(300, 4, 32).double(), q.double())
+    want = (dots * step.double()[:, None]).sum(-1) * row_scales.double()
+    out = torch.empty(2, 300, dtype=torch.bfloat16)
+    codes = (weight.to(torch.int16) + 128).to(torch.uint8)
+    native().int8_linear(x, codes, row_scales, out)
+    torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)
