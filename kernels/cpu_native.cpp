@@ -16,7 +16,9 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -54,6 +56,7 @@ struct Item {
 };
 
 constexpr int64_t kChunk = 16;  // query tokens per work item (extend rows)
+constexpr int64_t kKeysAhead = 8;  // keys (and values) prefetched ahead through the table
 
 template <typename Q, typename C, typename O>
 void attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
@@ -100,9 +103,18 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
         const Q* src = q + token * q_row + (it.kv_head * group + r % group) * q_head;
         for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] = to_float(src[d]);
       }
+      auto slot_of = [&](int64_t p) {
+        return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+      };
       for (int64_t p = 0; p < longest; ++p) {
-        const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size +
-                             p % block_size;
+        if (p + kKeysAhead < longest) {
+          const int64_t ahead = (slot_of(p + kKeysAhead) * kv_heads + it.kv_head) * dim;
+          for (int64_t b = 0; b < dim; b += 64 / static_cast<int64_t>(sizeof(C))) {
+            __builtin_prefetch(kc + ahead + b);
+            __builtin_prefetch(vc + ahead + b);
+          }
+        }
+        const int64_t slot = slot_of(p);
         const C* k = kc + (slot * kv_heads + it.kv_head) * dim;
         // rows of token j see keys 0..first + j: skip the tokens that come before p
         const int64_t from = std::max<int64_t>(0, p - first - it.begin) * group;
@@ -128,9 +140,7 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
         for (int64_t p = 0; p < n; ++p) row[p] *= inv;
       }
       for (int64_t p = 0; p < longest; ++p) {
-        const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size +
-                             p % block_size;
-        const C* v = vc + (slot * kv_heads + it.kv_head) * dim;
+        const C* v = vc + (slot_of(p) * kv_heads + it.kv_head) * dim;
         const int64_t from = std::max<int64_t>(0, p - first - it.begin) * group;
         for (int64_t r = from; r < rows; ++r) {
           const float w = scores[r * longest + p];
@@ -453,6 +463,9 @@ inline void int4_dot_rows(const uint8_t* codes, const at::Half* scale, const at:
 
 constexpr int64_t kTile = 4;   // activation rows per pass over a weight row
 constexpr int64_t kAhead = 8;  // weight rows prefetched ahead
+// activation rows per sweep over a thread's weight rows: the sweep's int8 rows stay in L1/L2
+// while its weights stream (prefill steps have thousands of rows)
+constexpr int64_t kBlock = 32;
 
 template <typename X, typename O>
 void int4_linear_kernel(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -469,28 +482,31 @@ void int4_linear_kernel(const at::Tensor& x, const at::Tensor& codes, const at::
   at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
     std::vector<float> step(kTile * groups);
     float result[kTile];
-    for (int64_t i = lo; i < hi; ++i) {
-      if (i + kAhead < hi) {
-        const uint8_t* ahead = c + (i + kAhead) * groups * 16;
-        for (int64_t b = 0; b < groups * 16; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-        _mm_prefetch(sc + (i + kAhead) * groups, _MM_HINT_T0);
-        _mm_prefetch(mn + (i + kAhead) * groups, _MM_HINT_T0);
-      }
-      const uint8_t* row = c + i * groups * 16;
-      for (int64_t m = 0; m < rows;) {
-        const int64_t tile = rows - m >= kTile ? kTile : 1;
-        const int8_t* qm = q.data() + m * k;
-        if (tile == kTile) {
-          int4_dot_rows<kTile>(row, sc + i * groups, mn + i * groups, groups, qm, k,
-                               d.data() + m * groups, sums.data() + m * groups, step.data(),
-                               result);
-        } else {
-          int4_dot_rows<1>(row, sc + i * groups, mn + i * groups, groups, qm, k,
-                           d.data() + m * groups, sums.data() + m * groups, step.data(),
-                           result);
+    for (int64_t block = 0; block < rows; block += kBlock) {
+      const int64_t block_end = std::min(rows, block + kBlock);
+      for (int64_t i = lo; i < hi; ++i) {
+        if (i + kAhead < hi) {
+          const uint8_t* ahead = c + (i + kAhead) * groups * 16;
+          for (int64_t b = 0; b < groups * 16; b += 64) __builtin_prefetch(ahead + b);
+          __builtin_prefetch(sc + (i + kAhead) * groups);
+          __builtin_prefetch(mn + (i + kAhead) * groups);
         }
-        for (int64_t r = 0; r < tile; ++r) o[(m + r) * o_row + i] = from_float<O>(result[r]);
-        m += tile;
+        const uint8_t* row = c + i * groups * 16;
+        for (int64_t m = block; m < block_end;) {
+          const int64_t tile = block_end - m >= kTile ? kTile : 1;
+          const int8_t* qm = q.data() + m * k;
+          if (tile == kTile) {
+            int4_dot_rows<kTile>(row, sc + i * groups, mn + i * groups, groups, qm, k,
+                                 d.data() + m * groups, sums.data() + m * groups, step.data(),
+                                 result);
+          } else {
+            int4_dot_rows<1>(row, sc + i * groups, mn + i * groups, groups, qm, k,
+                             d.data() + m * groups, sums.data() + m * groups, step.data(),
+                             result);
+          }
+          for (int64_t r = 0; r < tile; ++r) o[(m + r) * o_row + i] = from_float<O>(result[r]);
+          m += tile;
+        }
       }
     }
   });
@@ -578,23 +594,26 @@ void int8_linear_kernel(const at::Tensor& x, const at::Tensor& codes,
   const int64_t o_row = out.stride(0), steps_row = groups * 8;
   at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
     float result[kTile];
-    for (int64_t i = lo; i < hi; ++i) {
-      if (i + kAhead < hi) {
-        for (int64_t b = 0; b < k; b += 64) _mm_prefetch(c + (i + kAhead) * k + b, _MM_HINT_T0);
-      }
-      for (int64_t m = 0; m < rows;) {
-        const int64_t tile = rows - m >= kTile ? kTile : 1;
-        const int8_t* qm = q.data() + m * k;
-        const float* sm = steps.data() + m * steps_row;
-        if (tile == kTile) {
-          int8_dot_rows<kTile>(c + i * k, groups, qm, k, sm, steps_row, result);
-        } else {
-          int8_dot_rows<1>(c + i * k, groups, qm, k, sm, steps_row, result);
+    for (int64_t block = 0; block < rows; block += kBlock) {
+      const int64_t block_end = std::min(rows, block + kBlock);
+      for (int64_t i = lo; i < hi; ++i) {
+        if (i + kAhead < hi) {
+          for (int64_t b = 0; b < k; b += 64) __builtin_prefetch(c + (i + kAhead) * k + b);
         }
-        for (int64_t r = 0; r < tile; ++r) {
-          o[(m + r) * o_row + i] = from_float<O>(scale[i] * (result[r] - bias[m + r]));
+        for (int64_t m = block; m < block_end;) {
+          const int64_t tile = block_end - m >= kTile ? kTile : 1;
+          const int8_t* qm = q.data() + m * k;
+          const float* sm = steps.data() + m * steps_row;
+          if (tile == kTile) {
+            int8_dot_rows<kTile>(c + i * k, groups, qm, k, sm, steps_row, result);
+          } else {
+            int8_dot_rows<1>(c + i * k, groups, qm, k, sm, steps_row, result);
+          }
+          for (int64_t r = 0; r < tile; ++r) {
+            o[(m + r) * o_row + i] = from_float<O>(scale[i] * (result[r] - bias[m + r]));
+          }
+          m += tile;
         }
-        m += tile;
       }
     }
   });
