@@ -173,7 +173,8 @@ def test_client_sent_cache_salt_is_ignored(client):
 
 
 def test_frequency_penalty_changes_greedy_output(client):
-    m = msgs("Write the word 'hello' twenty times, separated by spaces.")
+    # a prompt the model answers by repeating: greedy echoes "hello" over and over
+    m = msgs("Repeat after me: hello hello hello hello hello hello hello hello hello hello")
     plain = client.chat.completions.create(model=MODEL, messages=m, temperature=0,
                                            max_tokens=32)
     penalised = client.chat.completions.create(model=MODEL, messages=m, temperature=0,
