@@ -120,8 +120,8 @@ class LlamaModel:
             for layer in self.layers:
                 self._quantize(layer, quantization)
             self.lm_head = Int8Linear(self.lm_head)  # see engine/quantization.py
-        # quantized on the CPU: the packed kernels read bfloat16 activations, which the fused
-        # CPU kernels write directly (norm, SiLU·mul); None where the elementwise steps are
+        # quantized on the CPU: the fused CPU kernels' norm and SiLU·mul write the bfloat16
+        # activations the quantized products read; None where the elementwise steps are
         # transformers' own op-by-op code (their rounding, for the float greedy oracle)
         self.fused_cpu = (kernels.cpu_native.native()
                           if quantization is not None and tp is None else None)
@@ -246,6 +246,8 @@ class LlamaModel:
     def _qkv(self, layer: _Layer, x: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if layer.qkv is not None:
+            # a quantized product of bfloat16 inputs is bfloat16: rotary and cache take the
+            # model's dtype
             qkv = _linear(x, layer.qkv, layer.qkv_bias).to(self.dtype)
             kv = self.num_kv_heads * self.head_dim
             return qkv.split([self.num_heads * self.head_dim, kv, kv], dim=-1)

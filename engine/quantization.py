@@ -35,6 +35,20 @@ def _vnni_kernels(width: int):  # noqa: ANN202 - the compiled module or None
     return fused if fused is not None and fused.vnni and width % 64 == 0 else None
 
 
+def _product_out(x: torch.Tensor, layer: Int8Linear | Int4Linear) -> torch.Tensor:
+    """The fused kernels' output for ``layer(x)``: in ``x``'s dtype, or float32 when a bias
+    is still to be added."""
+    dtype = x.dtype if layer.bias is None else torch.float32
+    return x.new_empty((x.shape[0], layer.codes.shape[0]), dtype=dtype)
+
+
+def _biased(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``y + bias`` (added before any rounding to a 16-bit ``dtype``), in ``dtype``."""
+    if bias is not None:
+        y = y.float().add_(bias)
+    return y.to(dtype)
+
+
 class Int8Linear:
     """``F.linear(x, weight, bias)`` with ``weight`` as int8 rows and one scale per row."""
 
@@ -53,12 +67,10 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
-            y = self.fused.int8_linear(x, self.codes, self.row_scales,
-                                       x.new_empty(x.shape[0], self.codes.shape[0]))
+            y = self.fused.int8_linear(x, self.codes, self.row_scales, _product_out(x, self))
         else:
-            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight,
-                                          self.scales).to(x.dtype)
-        return y if self.bias is None else y.add_(self.bias)
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
+        return _biased(y, self.bias, x.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for checks)."""
@@ -104,11 +116,11 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
             y = self.fused.int4_linear(x, self.codes, self.scale, self.minimum,
-                                       x.new_empty(x.shape[0], self.codes.shape[0]))
+                                       _product_out(x, self))
         else:
             y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
-                                                  INT4_GROUP, self.scales_and_zeros).to(x.dtype)
-        return y if self.bias is None else y.add_(self.bias)
+                                                  INT4_GROUP, self.scales_and_zeros)
+        return _biased(y, self.bias, x.dtype)
 
 
 QuantizedLinear = Int8Linear | Int4Linear

@@ -1,4 +1,5 @@
-"""Paged-attention kernels: one contract, a torch reference on CPU, Triton on CUDA.
+"""Paged-attention kernels: one contract; Triton on CUDA, fused C++ on CPU (``cpu_native``,
+built at first use), and the torch reference (the CPU path without a compiler, and the oracle).
 
 Layout shared by every implementation:
 - ``key_cache`` / ``value_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
@@ -15,8 +16,10 @@ Layout shared by every implementation:
   to keys ``0..position`` (causal over the new tokens, full over the cached prefix).
 
 Beside attention, the decoder's elementwise steps (RMSNorm with the residual add, rotary with
-the cache write, SiLU·mul) share the same dispatch: one fused Triton launch each on CUDA, the
-op-by-op torch code of transformers' Llama on CPU. So does the sampler's counter-based noise.
+the cache write, SiLU·mul) share the same dispatch: one fused Triton launch each on CUDA; on CPU
+the rotary is the C++ kernel (bit-identical to transformers'), the norms and SiLU·mul
+transformers' op-by-op torch code (the quantized model calls ``cpu_native``'s fused ones
+itself). So does the sampler's counter-based noise.
 """
 
 from kernels import cpu_native

@@ -376,6 +376,18 @@ inline float half_to_float(at::Half h) {
 #endif
 }
 
+// Calls ``pair(group, slot)`` for each pair of groups in order, alternating two accumulator
+// slots (two independent chains of float additions).
+template <typename Pair>
+inline void over_pairs(int64_t groups, Pair&& pair) {
+  int64_t p = 0;
+  for (; p + 4 <= groups; p += 4) {
+    pair(p, 0);
+    pair(p + 2, 1);
+  }
+  if (p < groups) pair(p, 0);
+}
+
 // The minimum's part of one weight row times one activation row, sum(minimum * d * sum(q)),
 // and each group's combined step scale * d into ``step``.
 inline float int4_offset_and_steps(const at::Half* scale, const at::Half* minimum,
@@ -435,12 +447,7 @@ inline void int4_dot_rows(const uint8_t* codes, const at::Half* scale, const at:
       acc[r][slot] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), steps, acc[r][slot]);
     }
   };
-  int64_t p = 0;
-  for (; p + 4 <= groups; p += 4) {
-    pair(p, 0);
-    pair(p + 2, 1);
-  }
-  if (p < groups) pair(p, 0);
+  over_pairs(groups, pair);
   for (int r = 0; r < R; ++r) {
     out[r] = offset[r] + _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
   }
@@ -552,12 +559,7 @@ inline void int8_dot_rows(const uint8_t* codes, int64_t groups, const int8_t* q,
                                      acc[r][slot]);
     }
   };
-  int64_t p = 0;
-  for (; p + 4 <= groups; p += 4) {
-    pair(p, 0);
-    pair(p + 2, 1);
-  }
-  if (p < groups) pair(p, 0);
+  over_pairs(groups, pair);
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 #else
   for (int r = 0; r < R; ++r) {

@@ -2,7 +2,7 @@
 
 Building needs a C++ compiler and ninja (``torch.utils.cpp_extension``); the build is cached
 under ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``), so only the first engine on a
-machine waits for it (about a minute on two cores). Without a compiler, or with
+machine waits for it (about half a minute on two cores). Without a compiler, or with
 ``CHATGATE_CPU_KERNELS=0``, :func:`native` is None and the CPU runs ``kernels.reference``.
 """
 
@@ -39,7 +39,7 @@ def native() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
-    logger.info("loading the fused CPU kernels (compiled once per machine: ~1 min)")
+    logger.info("loading the fused CPU kernels (compiled once per machine: ~30 s)")
     try:
         return cpp_extension.load(name=f"chatgate_cpu_{_cpu_key()}", sources=[str(SOURCE)],
                                   extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])

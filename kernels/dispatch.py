@@ -147,7 +147,7 @@ def rotary_and_cache(
                                       slot_mapping, k_scale, v_scale)
     elif (fused := _native_for(key_cache.dtype)) is not None:
         fused.rotary_and_cache(query, key, value, cos, sin, key_cache, value_cache,
-                               slot_mapping)
+                               slot_mapping.long())
     else:
         reference.rotary_and_cache(query, key, value, cos, sin, key_cache, value_cache,
                                    slot_mapping, k_scale, v_scale, plan)
