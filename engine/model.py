@@ -3,8 +3,9 @@ around the paged-attention kernels, computing over a flattened varlen batch.
 
 It mirrors transformers' Llama numerics op for op (separate projections, fp32 RMSNorm, the same
 rotary tables) so greedy tokens match transformers' token for token. The elementwise steps go
-through ``kernels`` (fused Triton launches on CUDA that round where transformers rounds; the
-op-by-op torch code on CPU).
+through ``kernels`` (fused Triton launches on CUDA that round where transformers rounds; on
+CPU the fused C++ rotary, bit-identical, and transformers' op-by-op torch code for the rest).
+Quantized on the CPU, the norms and SiLU·mul are the fused CPU kernels' (``fused_cpu``).
 """
 
 import logging

@@ -56,14 +56,24 @@ class Int8Linear:
         w = weight.detach().to(torch.float32)
         # the scales as the kernel reads them (bfloat16), so rounding is half a step at most
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-30).to(torch.bfloat16)
-        self.weight = torch.round(w / scales.to(torch.float32)[:, None]).clamp(-127, 127).to(
+        weight = torch.round(w / scales.to(torch.float32)[:, None]).clamp(-127, 127).to(
             torch.int8)
         self.scales = scales
         self.bias = bias
         self.fused = _vnni_kernels(w.shape[1])
-        if self.fused is not None:  # the fused kernel's form: unsigned codes w + 128
-            self.codes = (self.weight.to(torch.int16) + 128).to(torch.uint8)
+        if self.fused is not None:  # the fused kernel's form (only): unsigned codes w + 128
+            self.codes = (weight.to(torch.int16) + 128).to(torch.uint8)
             self.row_scales = scales.to(torch.float32)
+        else:
+            self._weight = weight
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 rows (derived from the fused kernel's codes where it runs: the output layer
+        is not held twice)."""
+        if self.fused is None:
+            return self._weight
+        return (self.codes.to(torch.int16) - 128).to(torch.int8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
