@@ -13,10 +13,11 @@ greedy output equals transformers' only there.
   computes with the very weights llama.cpp reads. The output layer (tied to the embedding,
   Q8_0 in the packaged GGUF) stays ``int8``: 4 bits there cost more accuracy than the rest.
 
-Where the fused CPU kernels build with AVX512-VNNI (``kernels/cpu_native.cpp``), both modes
-multiply through them instead: activations quantized to int8 per group of 32 (llama.cpp's Q8_1)
-against the same weights, in integer dot products, the weight rows prefetched ahead. One kernel
-for every row count keeps a token's logits independent of how many rows share its step.
+Where the fused CPU kernels build with integer dot products (``kernels/cpu_native.cpp``:
+AVX512-VNNI or AVX2), both modes multiply through them instead: activations quantized to int8
+per group of 32 (llama.cpp's Q8_1) against the same weights, in integer dot products, the weight
+rows prefetched ahead. One kernel for every row count keeps a token's logits independent of how
+many rows share its step.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from kernels.cpu_native import native
 INT4_GROUP = 32  # Q4_1's block size
 
 
-def _vnni_kernels(width: int):  # noqa: ANN202 - the compiled module or None
+def _fused_kernels(width: int):  # noqa: ANN202 - the compiled module or None
     """The fused CPU kernels' int8-activation products for inputs of ``width``, where they
-    run with VNNI (``kernels/cpu_native.cpp``); None elsewhere (torch's packed kernels)."""
+    run as SIMD integer dot products (``kernels/cpu_native.cpp``: AVX512-VNNI or AVX2); None
+    elsewhere (torch's packed kernels)."""
     fused = native()
-    return fused if fused is not None and fused.vnni and width % 64 == 0 else None
+    return fused if fused is not None and fused.integer_dots and width % 64 == 0 else None
 
 
 def _product_out(x: torch.Tensor, layer: Int8Linear | Int4Linear) -> torch.Tensor:
@@ -60,7 +62,7 @@ class Int8Linear:
             torch.int8)
         self.scales = scales
         self.bias = bias
-        self.fused = _vnni_kernels(w.shape[1])
+        self.fused = _fused_kernels(w.shape[1])
         if self.fused is not None:  # the fused kernel's form (only): unsigned codes w + 128
             self.codes = (weight.to(torch.int16) + 128).to(torch.uint8)
             self.row_scales = scales.to(torch.float32)
@@ -111,7 +113,7 @@ class Int4Linear:
         codes, scale, low = int4_groups(weight)
         self.bias = bias
         n, k = codes.shape
-        self.fused = _vnni_kernels(k)
+        self.fused = _fused_kernels(k)
         if self.fused is not None:
             # two groups per 32 bytes: element e of the pair in byte e % 32, high nibble e >= 32
             pairs = codes.view(n, k // 64, 2, 32).to(torch.uint8)

@@ -10,9 +10,11 @@
 //   quantized path (they round differently from transformers' torch code).
 // - int4_linear / int8_linear: few-row products with Q4_1-style weights (4-bit codes in groups of 32, each
 //   group with a scale and a minimum), activations quantized to int8 per group of 32 (Q8_1) and
-//   multiplied in integer dot products (VNNI), as llama.cpp multiplies a Q4_1 tensor; int8_linear
-//   likewise with int8 weights and one scale per output row (AVX512-VNNI; a plain loop
-//   elsewhere). Both prefetch the rows ahead: cold weights are the time of a decode step.
+//   multiplied in integer dot products, as llama.cpp multiplies a Q4_1 tensor; int8_linear
+//   likewise with int8 weights and one scale per output row. The dot products run as
+//   AVX512-VNNI (dpbusd) or AVX2 (maddubs + madd: the same integer sums of four products per
+//   lane), a plain loop elsewhere. Both prefetch the rows ahead: cold weights are the time of
+//   a decode step.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -335,10 +337,27 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
   return out;
 }
 
+// The integer dot products' instruction set ("" where only the plain loops run).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool kVnni = true;
+#define CHATGATE_VNNI 1
+constexpr const char* kIntegerDots = "avx512-vnni";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CHATGATE_AVX2 1
+constexpr const char* kIntegerDots = "avx2";
+
+inline float reduce_add(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Four-product integer sums per 32-bit lane of unsigned ``w`` (each below 128) times signed
+// ``q``: what dpbusd computes, here without saturating the 16-bit pairs.
+inline __m256i dot_u8_s8(__m256i w, __m256i q) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1));
+}
 #else
-constexpr bool kVnni = false;
+constexpr const char* kIntegerDots = "";
 #endif
 
 constexpr int64_t kGroup = 32;
@@ -395,7 +414,7 @@ inline float int4_offset_and_steps(const at::Half* scale, const at::Half* minimu
                                    float* step) {
   int64_t g = 0;
   float offset = 0.0f;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(CHATGATE_VNNI)
   __m512 offsets = _mm512_setzero_ps();
   for (; g + 16 <= groups; g += 16) {
     const __m512 s = _mm512_cvtph_ps(
@@ -406,6 +425,16 @@ inline float int4_offset_and_steps(const at::Half* scale, const at::Half* minimu
     offsets = _mm512_fmadd_ps(m, _mm512_loadu_ps(sums + g), offsets);
   }
   offset = _mm512_reduce_add_ps(offsets);
+#elif defined(CHATGATE_AVX2)
+  __m256 offsets = _mm256_setzero_ps();
+  for (; g + 8 <= groups; g += 8) {
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + g)));
+    const __m256 m =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(minimum + g)));
+    _mm256_storeu_ps(step + g, _mm256_mul_ps(s, _mm256_loadu_ps(d + g)));
+    offsets = _mm256_fmadd_ps(m, _mm256_loadu_ps(sums + g), offsets);
+  }
+  offset = reduce_add(offsets);
 #endif
   for (; g < groups; ++g) {
     step[g] = half_to_float(scale[g]) * d[g];
@@ -428,7 +457,7 @@ inline void int4_dot_rows(const uint8_t* codes, const at::Half* scale, const at:
     offset[r] = int4_offset_and_steps(scale, minimum, groups, d + r * groups,
                                       sums + r * groups, step + r * groups);
   }
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(CHATGATE_VNNI)
   const __m256i low_bits = _mm256_set1_epi8(0x0F);
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   __m512 acc[R][2];
@@ -451,6 +480,26 @@ inline void int4_dot_rows(const uint8_t* codes, const at::Half* scale, const at:
   for (int r = 0; r < R; ++r) {
     out[r] = offset[r] + _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
   }
+#elif defined(CHATGATE_AVX2)
+  const __m256i low_bits = _mm256_set1_epi8(0x0F);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  auto pair = [&](int64_t at, int slot) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + at * 16));
+    const __m256i w[2] = {_mm256_and_si256(packed, low_bits),
+                          _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_bits)};
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i dots = dot_u8_s8(w[h], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                 q + r * q_row + (at + h) * kGroup)));
+        acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots),
+                                       _mm256_broadcast_ss(step + r * groups + at + h),
+                                       acc[r][slot]);
+      }
+    }
+  };
+  over_pairs(groups, pair);
+  for (int r = 0; r < R; ++r) out[r] = offset[r] + reduce_add(_mm256_add_ps(acc[r][0], acc[r][1]));
 #else
   for (int r = 0; r < R; ++r) {
     float total = 0.0f;
@@ -541,12 +590,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 
 // One row of int8 weights stored as unsigned (w + 128) against R quantized activation rows:
 // for each, the sum over groups of d[g] * dot(w + 128, q) (the caller removes the
-// 128 * sum(q) part). ``steps``: each row's pairs of groups' steps spread over 16 lanes.
+// 128 * sum(q) part: kUnsignedBias). AVX2 multiplies |w| by q with w's sign instead (unsigned
+// codes up to 255 would saturate its 16-bit pairs), so there the sum is of d[g] * dot(w, q). ``steps``: each row's pairs of groups' steps spread over 16 lanes.
 // As for int4, each row's arithmetic is the same for every R.
 template <int R>
 inline void int8_dot_rows(const uint8_t* codes, int64_t groups, const int8_t* q, int64_t q_row,
                           const float* steps, int64_t steps_row, float* out) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(CHATGATE_VNNI)
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   auto pair = [&](int64_t at, int slot) {
@@ -561,6 +611,28 @@ inline void int8_dot_rows(const uint8_t* codes, int64_t groups, const int8_t* q,
   };
   over_pairs(groups, pair);
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+#elif defined(CHATGATE_AVX2)
+  const __m256i sign_bit = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  auto pair = [&](int64_t at, int slot) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w = _mm256_xor_si256(  // w + 128 back to w (|w| <= 127)
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (at + h) * kGroup)),
+          sign_bit);
+      const __m256i magnitude = _mm256_abs_epi8(w);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(q + r * q_row + (at + h) * kGroup));
+        const __m256i dots = dot_u8_s8(magnitude, _mm256_sign_epi8(x, w));
+        acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots),
+                                       _mm256_loadu_ps(steps + r * steps_row + at * 8 + h * 8),
+                                       acc[r][slot]);
+      }
+    }
+  };
+  over_pairs(groups, pair);
+  for (int r = 0; r < R; ++r) out[r] = reduce_add(_mm256_add_ps(acc[r][0], acc[r][1]));
 #else
   for (int r = 0; r < R; ++r) {
     float total = 0.0f;
@@ -576,18 +648,24 @@ inline void int8_dot_rows(const uint8_t* codes, int64_t groups, const int8_t* q,
 #endif
 }
 
+#if defined(CHATGATE_AVX2)
+constexpr bool kUnsignedBias = false;
+#else
+constexpr bool kUnsignedBias = true;
+#endif
+
 template <typename X, typename O>
 void int8_linear_kernel(const at::Tensor& x, const at::Tensor& codes,
                         const at::Tensor& row_scales, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / kGroup;
   std::vector<int8_t> q(rows * k);
   std::vector<float> d(rows * groups), sums(rows * groups), steps(rows * groups * 8);
-  std::vector<float> bias(rows, 0.0f);  // 128 * sum(x): what the unsigned weights add
+  std::vector<float> bias(rows, 0.0f);  // 128 * sum(x): what unsigned weights add
   quantize_rows(x.data_ptr<X>(), x.stride(0), rows, k, q.data(), d.data(), sums.data());
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       std::fill_n(&steps[(m * groups / 2 + g / 2) * 16 + (g % 2) * 8], 8, d[m * groups + g]);
-      bias[m] += 128.0f * sums[m * groups + g];
+      if (kUnsignedBias) bias[m] += 128.0f * sums[m * groups + g];
     }
   }
   const uint8_t* c = codes.data_ptr<uint8_t>();
@@ -649,5 +727,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
-  m.attr("vnni") = kVnni;
+  m.attr("integer_dots") = kIntegerDots;
 }

@@ -92,7 +92,7 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(layer_type) -> Non
     torch.manual_seed(0)
     layer = layer_type(torch.randn(192, 128) * 0.05)
     if layer.fused is None:  # torch's packed int4 kernel blocks rows differently by count
-        pytest.skip("the fused CPU kernels do not run here (no compiler or no AVX512-VNNI)")
+        pytest.skip("the fused CPU kernels do not run here (no compiler, no AVX512-VNNI/AVX2)")
     x = torch.randn(11, 128)
     together = layer(x)
     for r in range(11):
