@@ -132,8 +132,24 @@ class LlamaModel:
         self.cos, self.sin = cos[0], sin[0]
         # the norm after each layer's MLP: the next layer's input norm, then the final norm
         self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        self.decoder_stack = self._decoder_stack()
         # each layer's (k_scale, v_scale) for an FP8 KV cache (set by the runner; see kernels)
         self.kv_scales = [(1.0, 1.0)] * len(self.layers)
+
+    def _decoder_stack(self):  # noqa: ANN202 - the compiled DecoderStack or None
+        """The fused CPU kernels' ``DecoderStack`` over every layer (one call per step, the same
+        arithmetic as :meth:`forward`'s op-by-op loop), where every product runs through them."""
+        if self.fused_cpu is None:
+            return None
+        operands = []
+        for layer, next_norm in zip(self.layers, self.next_norms, strict=True):
+            products = [getattr(p, "fused_operands", lambda: None)()
+                        for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(p is None for p in products):
+                return None
+            operands.append([t for p in products for t in p] + [layer.post_norm, next_norm])
+        return self.fused_cpu.DecoderStack(operands, self.num_heads, self.num_kv_heads,
+                                           self.head_dim, self.eps, self.scale, self.dtype)
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> _Layer:
@@ -200,6 +216,10 @@ class LlamaModel:
         if self.fused_cpu is not None:
             x = x.to(torch.bfloat16)
         cos, sin = self.cos[positions], self.sin[positions]
+        if self.decoder_stack is not None and kv_cache.dtype in (torch.float32, torch.bfloat16):
+            return self.decoder_stack.forward(x, h, cos, sin, kv_cache, meta.slot_mapping,
+                                              meta.block_tables, meta.seq_lens,
+                                              meta.query_start_loc)
         last = len(self.layers) - 1
         for index, (layer, next_norm, (k_scale, v_scale)) in enumerate(
                 zip(self.layers, self.next_norms, self.kv_scales, strict=True)):

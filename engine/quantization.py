@@ -88,6 +88,13 @@ class Int8Linear:
         """The float32 weight this layer computes with (for checks)."""
         return self.weight.to(torch.float32) * self.scales.to(torch.float32)[:, None]
 
+    def fused_operands(self) -> tuple[torch.Tensor, torch.Tensor, None] | None:
+        """``(codes, row scales, None)`` as the fused kernels' ``int8_linear`` takes them, or
+        None where torch's kernel runs or a bias is added."""
+        if self.fused is None or self.bias is not None:
+            return None
+        return self.codes, self.row_scales, None
+
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight [n, k]`` as 4-bit ``codes [n, k]`` (int32, 0..15) in groups of
@@ -124,6 +131,13 @@ class Int4Linear:
             # the kernel's form: w = (code - 8) * scale + zero, [k / group, n, 2] in bfloat16
             self.scales_and_zeros = torch.stack([scale, low + 8.0 * scale], dim=-1).transpose(
                 0, 1).contiguous().to(torch.bfloat16)
+
+    def fused_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(codes, scales, minimums)`` as the fused kernels' ``int4_linear`` takes them, or
+        None where torch's kernel runs or a bias is added."""
+        if self.fused is None or self.bias is not None:
+            return None
+        return self.codes, self.scale, self.minimum
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:

@@ -15,6 +15,10 @@
 //   AVX512-VNNI (dpbusd) or AVX2 (maddubs + madd: the same integer sums of four products per
 //   lane), a plain loop elsewhere. Both prefetch the rows ahead: cold weights are the time of
 //   a decode step.
+// - DecoderStack: the quantized path's decoder layers, all of them in one call per step, made of
+//   the kernels above with the dtypes and order of engine/model.py's op-by-op code (so the same
+//   bits), without a Python round trip per op: hundreds of small ops per step otherwise cost
+//   more than the products of a one-row decode step.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -24,6 +28,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -718,6 +723,83 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes,
   return out;
 }
 
+// One quantized linear layer as int4_linear or int8_linear take it: int4 ``codes`` with float16
+// ``scales`` and ``minimums`` per group, or int8 ``codes`` (w + 128) with float32 row
+// ``scales`` and no minimums.
+struct Product {
+  at::Tensor codes, scales;
+  std::optional<at::Tensor> minimums;
+
+  // x's product, in x's dtype.
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor out = at::empty({x.size(0), codes.size(0)}, x.options());
+    return minimums ? int4_linear(x, codes, scales, *minimums, out)
+                    : int8_linear(x, codes, scales, out);
+  }
+};
+
+struct Layer {
+  Product qkv, o, gate_up, down;
+  at::Tensor post_norm, next_norm;  // the next norm: the next layer's input norm or the final
+};
+
+// The decoder layers of engine/model.py's quantized CPU path. forward() takes the first layer's
+// normed input ``x`` (bfloat16) and the residual stream ``h`` (float32, updated in place), and
+// returns the final norm's output in ``dtype``.
+class DecoderStack {
+ public:
+  DecoderStack(const std::vector<std::vector<std::optional<at::Tensor>>>& layers, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, double eps, double scale, at::ScalarType dtype)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        dtype_(dtype) {
+    for (const auto& t : layers) {
+      TORCH_CHECK(t.size() == 14, "a layer is 4 x (codes, scales, minimums or None) + 2 norms");
+      auto product = [&](size_t i) { return Product{t[i].value(), t[i + 1].value(), t[i + 2]}; };
+      layers_.push_back(
+          Layer{product(0), product(3), product(6), product(9), t[12].value(), t[13].value()});
+    }
+  }
+
+  at::Tensor forward(at::Tensor x, at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc) const {
+    TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(1) == (int64_t)layers_.size(),
+                "kv_cache must be contiguous [2, layers, blocks, block_size, kv_heads, dim]");
+    const int64_t n = x.size(0), q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
+    const at::Tensor slots = slot_mapping.to(at::kLong);
+    for (size_t index = 0; index < layers_.size(); ++index) {
+      const Layer& layer = layers_[index];
+      const at::Tensor qkv = layer.qkv(x).to(dtype_);
+      const at::Tensor q = qkv.narrow(1, 0, q_width).view({n, heads_, head_dim_});
+      const at::Tensor k = qkv.narrow(1, q_width, kv_width).view({n, kv_heads_, head_dim_});
+      const at::Tensor v =
+          qkv.narrow(1, q_width + kv_width, kv_width).view({n, kv_heads_, head_dim_});
+      const at::Tensor key_cache = kv_cache.select(0, 0).select(0, index);
+      const at::Tensor value_cache = kv_cache.select(0, 1).select(0, index);
+      rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache, slots);
+      const at::Tensor attention =
+          paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                          scale_, at::empty_like(q));
+      x = add_rms_norm(layer.o(attention.view({n, q_width})), h, layer.post_norm, eps_,
+                       at::empty(h.sizes(), h.options().dtype(at::kBFloat16)));
+      const at::Tensor gate_up = layer.gate_up(x);
+      const at::Tensor gated = silu_and_mul(
+          gate_up, at::empty({n, gate_up.size(1) / 2}, gate_up.options()));
+      const bool last = index + 1 == layers_.size();
+      x = add_rms_norm(layer.down(gated), h, layer.next_norm, eps_,
+                       at::empty(h.sizes(), h.options().dtype(last ? dtype_ : at::kBFloat16)));
+    }
+    return x;
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_;
+  at::ScalarType dtype_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -728,4 +810,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear);
   m.def("int8_linear", &int8_linear);
   m.attr("integer_dots") = kIntegerDots;
+  pybind11::class_<DecoderStack>(m, "DecoderStack")
+      .def(pybind11::init<const std::vector<std::vector<std::optional<at::Tensor>>>&, int64_t,
+                          int64_t, int64_t, double, double, at::ScalarType>())
+      .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.loader.gguf import smollm2_gguf_path
 from engine.quantization import (
     INT4_GROUP,
@@ -106,3 +106,26 @@ def test_quantized_engine_picks_float32s_greedy_token_at_nearly_every_forced_pos
     quantized = LLM("smollm2", max_model_len=512, num_kv_blocks=256, quantization=quantization)
     agreement = teacher_forced_agreement(quantized)
     assert agreement >= 0.9, agreement
+
+
+def test_the_fused_decoder_stack_computes_the_op_by_op_layers_bit_for_bit() -> None:
+    """The quantized CPU path runs all decoder layers in one fused call per step; its tokens and
+    their log-probabilities (prefill, decode and mixed steps) equal the op-by-op layers'."""
+    llm = LLM("smollm2", max_model_len=512, num_kv_blocks=256, quantization="int4")
+    model = llm.engine.runner.model
+    if model.decoder_stack is None:
+        pytest.skip("the fused CPU kernels do not run here (no compiler, no AVX512-VNNI/AVX2)")
+    chats = [[{"role": "user", "content": text}] for text in
+             ("Write a poem about the sea.", "What is 17 * 23?", "Hi!", "Name three colours.")]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+    def run() -> list[tuple[list[int], list[float]]]:
+        outputs = [o.outputs[0] for o in llm.chat(chats, params)]
+        return [(o.token_ids, [p.logprob for p in o.logprobs]) for o in outputs]
+
+    fused = run()
+    stack, model.decoder_stack = model.decoder_stack, None
+    try:
+        assert run() == fused
+    finally:
+        model.decoder_stack = stack
