@@ -121,11 +121,9 @@ class Int4Linear:
         self.bias = bias
         n, k = codes.shape
         self.fused = _fused_kernels(k)
-        if self.fused is not None:
-            # two groups per 32 bytes: element e of the pair in byte e % 32, high nibble e >= 32
-            pairs = codes.view(n, k // 64, 2, 32).to(torch.uint8)
-            self.codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
-            self.scale, self.minimum = scale.to(torch.float16), low.to(torch.float16)
+        if self.fused is not None:  # Q4_1's float16 scale and minimum, in the kernel's layout
+            self.codes, self.scale, self.minimum = self.fused.int4_pack(
+                codes.to(torch.uint8), scale.to(torch.float16), low.to(torch.float16))
         else:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
             # the kernel's form: w = (code - 8) * scale + zero, [k / group, n, 2] in bfloat16

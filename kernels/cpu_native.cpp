@@ -8,13 +8,13 @@
 //   cache slots, in one pass.
 // - add_rms_norm / silu_and_mul: the decoder's elementwise steps in one pass each, for the
 //   quantized path (they round differently from transformers' torch code).
-// - int4_linear / int8_linear: few-row products with Q4_1-style weights (4-bit codes in groups of 32, each
-//   group with a scale and a minimum), activations quantized to int8 per group of 32 (Q8_1) and
-//   multiplied in integer dot products, as llama.cpp multiplies a Q4_1 tensor; int8_linear
-//   likewise with int8 weights and one scale per output row. The dot products run as
-//   AVX512-VNNI (dpbusd) or AVX2 (maddubs + madd: the same integer sums of four products per
-//   lane), a plain loop elsewhere. Both prefetch the rows ahead: cold weights are the time of
-//   a decode step.
+// - int4_linear / int8_linear: products with Q4_1-style weights (4-bit codes in groups of 32,
+//   each group with a scale and a minimum), activations quantized to int8 per group of 32
+//   (Q8_1) and multiplied in integer dot products, as llama.cpp multiplies a Q4_1 tensor;
+//   int8_linear likewise with int8 weights and one scale per output row. The dot products run
+//   as AVX512-VNNI (dpbusd) or AVX2 (maddubs + madd; int4 with weight rows interleaved by 8,
+//   see int4_pack), a plain loop elsewhere. Both prefetch the rows ahead: cold weights are
+//   the time of a decode step.
 // - DecoderStack: the quantized path's decoder layers, all of them in one call per step, made of
 //   the kernels above with the dtypes and order of engine/model.py's op-by-op code (so the same
 //   bits), without a Python round trip per op: hundreds of small ops per step otherwise cost
@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -624,6 +625,162 @@ void int4_linear_kernel(const at::Tensor& x, const at::Tensor& codes, const at::
   });
 }
 
+constexpr int64_t kInterleave = 8;
+constexpr int64_t kBlocksAhead = 4;  // blocks of 8 weight rows prefetched ahead
+
+#if defined(CHATGATE_AVX2)
+// AVX2 takes int4 weights interleaved by blocks of 8 output rows: one 32-bit lane per row, so a
+// group's products sum within lanes (no horizontal sums) and a register of weights serves every
+// activation row of the tile. Per (block, group): 4 chunks of 32 bytes, byte r * 4 + i of chunk
+// c holding row r's codes for inputs 4c + i (low nibble) and 16 + 4c + i (high nibble); then
+// the block's scales and minimums as [group][8 rows].
+
+inline bool interleaved(int64_t n) { return n % kInterleave == 0; }
+
+// Activation rows [R] times one block of 8 weight rows: out[r * 8 + j] for weight row j.
+// Each row's arithmetic is the same for every R.
+template <int R>
+inline void int4_block_rows(const uint8_t* codes, const at::Half* scale, const at::Half* minimum,
+                            int64_t groups, const int8_t* q, int64_t q_row, const float* d,
+                            const float* sums, float* out) {
+  const __m256i low_bits = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* chunk = codes + g * 128;
+    // 16-bit sums of 16 products each: |sum| <= 16 * 15 * 127 < 2^15
+    __m256i dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + c * 32));
+      const __m256i low = _mm256_and_si256(packed, low_bits);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_bits);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = q + r * q_row + g * kGroup + 4 * c;
+        int32_t first, second;
+        std::memcpy(&first, x, 4);
+        std::memcpy(&second, x + 16, 4);
+        dots[r] = _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(low, _mm256_set1_epi32(first)));
+        dots[r] =
+            _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(high, _mm256_set1_epi32(second)));
+      }
+    }
+    const __m256 s =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + g * 8)));
+    const __m256 m =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(minimum + g * 8)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 step = _mm256_mul_ps(s, _mm256_broadcast_ss(d + r * groups + g));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dots[r], ones)), step, acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(sums + r * groups + g), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kInterleave, acc[r]);
+}
+
+template <typename X, typename O>
+void int4_interleaved_kernel(const at::Tensor& x, const at::Tensor& codes,
+                             const at::Tensor& scales, const at::Tensor& minimums,
+                             at::Tensor& out) {
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / kGroup;
+  std::vector<int8_t> q(rows * k);
+  std::vector<float> d(rows * groups), sums(rows * groups);
+  quantize_rows(x.data_ptr<X>(), x.stride(0), rows, k, q.data(), d.data(), sums.data());
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const at::Half* sc = scales.data_ptr<at::Half>();
+  const at::Half* mn = minimums.data_ptr<at::Half>();
+  O* o = out.data_ptr<O>();
+  const int64_t o_row = out.stride(0), block_bytes = groups * 128, block_groups = groups * 8;
+  at::parallel_for(0, n / kInterleave, 8, [&](int64_t lo, int64_t hi) {
+    float result[kTile * kInterleave];
+    for (int64_t sweep = 0; sweep < rows; sweep += kBlock) {
+      const int64_t sweep_end = std::min(rows, sweep + kBlock);
+      for (int64_t b = lo; b < hi; ++b) {
+        if (b + kBlocksAhead < hi) {  // weights a few blocks ahead while this one computes
+          const int64_t next = b + kBlocksAhead;
+          for (int64_t at = 0; at < block_bytes; at += 64) {
+            __builtin_prefetch(c + next * block_bytes + at);
+          }
+          for (int64_t at = 0; at < block_groups; at += 32) {
+            __builtin_prefetch(sc + next * block_groups + at);
+            __builtin_prefetch(mn + next * block_groups + at);
+          }
+        }
+        for (int64_t m = sweep; m < sweep_end;) {
+          const int64_t tile = sweep_end - m >= kTile ? kTile : 1;
+          const int8_t* qm = q.data() + m * k;
+          if (tile == kTile) {
+            int4_block_rows<kTile>(c + b * block_bytes, sc + b * block_groups,
+                                   mn + b * block_groups, groups, qm, k, d.data() + m * groups,
+                                   sums.data() + m * groups, result);
+          } else {
+            int4_block_rows<1>(c + b * block_bytes, sc + b * block_groups,
+                               mn + b * block_groups, groups, qm, k, d.data() + m * groups,
+                               sums.data() + m * groups, result);
+          }
+          for (int64_t r = 0; r < tile; ++r) {
+            for (int64_t j = 0; j < kInterleave; ++j) {
+              o[(m + r) * o_row + b * kInterleave + j] = from_float<O>(result[r * kInterleave + j]);
+            }
+          }
+          m += tile;
+        }
+      }
+    }
+  });
+}
+#else
+inline bool interleaved(int64_t) { return false; }
+#endif
+
+// ``codes [n, k]`` (uint8, 0..15) with float16 ``scales`` and ``minimums`` [n, k / 32], packed
+// as int4_linear takes them: two groups per 32 bytes (element e of the pair in byte e % 32,
+// the low nibble for e < 32), or with AVX2 interleaved by blocks of 8 rows (see above). The
+// packed tensors keep the shapes [n, k / 2] and [n, k / 32].
+std::vector<at::Tensor> int4_pack(const at::Tensor& codes, const at::Tensor& scales,
+                                  const at::Tensor& minimums) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.size(1) % kPair == 0,
+              "codes must be uint8 [n, k] with k a multiple of 64");
+  const int64_t n = codes.size(0), k = codes.size(1), groups = k / kGroup;
+  const at::Tensor w = codes.contiguous();
+  const at::Tensor s = scales.to(at::kHalf).contiguous(), m = minimums.to(at::kHalf).contiguous();
+  TORCH_CHECK(s.numel() == n * groups && m.numel() == n * groups,
+              "scales and minimums must be [n, k / 32]");
+  at::Tensor packed = at::empty({n, k / 2}, w.options());
+  at::Tensor packed_s = at::empty({n, groups}, s.options()), packed_m = at::empty_like(packed_s);
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const bool blocks = interleaved(n);
+  for (int64_t row = 0; row < n; ++row) {
+    const uint8_t* in = src + row * k;
+    if (blocks) {
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* chunks = dst + ((row / kInterleave) * groups + g) * 128 + (row % kInterleave) * 4;
+        for (int64_t c = 0; c < 4; ++c) {
+          for (int64_t i = 0; i < 4; ++i) {
+            const uint8_t* first = in + g * kGroup + 4 * c + i;
+            chunks[c * 32 + i] = static_cast<uint8_t>(first[0] | (first[16] << 4));
+          }
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < k / 2; ++j) {  // byte j % 32 of pair j / 32
+        const uint8_t* first = in + (j / 32) * kPair + j % 32;
+        dst[row * (k / 2) + j] = static_cast<uint8_t>(first[0] | (first[kGroup] << 4));
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t to = blocks ? ((row / kInterleave) * groups + g) * kInterleave +
+                                      row % kInterleave
+                                : row * groups + g;
+      packed_s.data_ptr<at::Half>()[to] = s.data_ptr<at::Half>()[row * groups + g];
+      packed_m.data_ptr<at::Half>()[to] = m.data_ptr<at::Half>()[row * groups + g];
+    }
+  }
+  return {packed, packed_s, packed_m};
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& minimums, at::Tensor out) {
   check_rows(x, "x");
@@ -638,6 +795,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == codes.size(0), "out must be [rows, n]");
   dispatch_float(x, "x", [&](auto x_type) {
     dispatch_float(out, "out", [&](auto o_type) {
+#if defined(CHATGATE_AVX2)
+      if (interleaved(codes.size(0))) {
+        int4_interleaved_kernel<decltype(x_type), decltype(o_type)>(x, codes, scales, minimums,
+                                                                    out);
+        return;
+      }
+#endif
       int4_linear_kernel<decltype(x_type), decltype(o_type)>(x, codes, scales, minimums, out);
     });
   });
@@ -647,7 +811,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 // One row of int8 weights stored as unsigned (w + 128) against R quantized activation rows:
 // for each, the sum over groups of d[g] * dot(w + 128, q) (the caller removes the
 // 128 * sum(q) part: kUnsignedBias). AVX2 multiplies |w| by q with w's sign instead (unsigned
-// codes up to 255 would saturate its 16-bit pairs), so there the sum is of d[g] * dot(w, q). ``steps``: each row's pairs of groups' steps spread over 16 lanes.
+// codes up to 255 would saturate its 16-bit pairs), so there the sum is of d[g] * dot(w, q).
+// ``steps``: each row's pairs of groups' steps spread over 16 lanes.
 // As for int4, each row's arithmetic is the same for every R.
 template <int R>
 inline void int8_dot_rows(const uint8_t* codes, int64_t groups, const int8_t* q, int64_t q_row,
@@ -859,6 +1024,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("int4_linear", &int4_linear);
+  m.def("int4_pack", &int4_pack);
   m.def("int8_linear", &int8_linear);
   m.attr("integer_dots") = kIntegerDots;
   pybind11::class_<DecoderStack>(m, "DecoderStack")

@@ -105,25 +105,26 @@ def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, step
 
 
-def test_int4_linear_is_the_q4_1_by_q8_product() -> None:
-    """Weights as 4-bit codes with a float16 scale and minimum per group of 32 (two groups per
-    32 bytes, the second in the high nibbles), activations as int8 codes per group of 32: the
-    sum over groups of scale * step * (codes . codes) + minimum * step * sum(codes)."""
+@pytest.mark.parametrize("n", [200, 100])  # with AVX2: blocks of 8 rows, and the pair layout
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_int4_linear_is_the_q4_1_by_q8_product(n: int, rows: int) -> None:
+    """Weights as 4-bit codes with a float16 scale and minimum per group of 32 (packed by
+    ``int4_pack``), activations as int8 codes per group of 32: the sum over groups of
+    scale * step * (codes . codes) + minimum * step * sum(codes)."""
     from engine.quantization import int4_groups
 
     gen = torch.Generator().manual_seed(13)
-    weight, x = torch.randn(200, 192, generator=gen), torch.randn(3, 192, generator=gen)
+    weight, x = torch.randn(n, 192, generator=gen), torch.randn(rows, 192, generator=gen)
     codes, scale, low = int4_groups(weight)
-    pairs = codes.view(200, 3, 2, 32).to(torch.uint8)
-    packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(200, 96)
     scale, low = scale.half(), low.half()
+    packed = native().int4_pack(codes.to(torch.uint8), scale, low)
     q, step = _quantized_rows(x)
-    w = codes.view(200, 6, 32).double()
+    w = codes.view(n, 6, 32).double()
     dots = torch.einsum("ngj,mgj->mng", w, q.double())
     want = (dots * scale.double()[None] * step.double()[:, None]
             + low.double()[None] * (step.double() * q.double().sum(-1))[:, None]).sum(-1)
-    out = torch.empty(3, 200)
-    native().int4_linear(x, packed, scale, low, out)
+    out = torch.empty(rows, n)
+    native().int4_linear(x, *packed, out)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
 
 
