@@ -444,6 +444,21 @@ void quantize_rows(const X* x, int64_t x_row, int64_t rows, int64_t k, int8_t* q
   }
 }
 
+// The activations of one product, quantized by quantize_rows: row m's codes at q[m * k], its
+// groups' steps and step * sum(codes) at d[m * groups] and sums[m * groups].
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sums;
+
+  explicit QuantizedRows(const at::Tensor& x)
+      : q(x.size(0) * x.size(1)), d(x.size(0) * (x.size(1) / kGroup)), sums(d.size()) {
+    dispatch_float(x, "x", [&](auto x_type) {
+      quantize_rows(x.data_ptr<decltype(x_type)>(), x.stride(0), x.size(0), x.size(1), q.data(),
+                    d.data(), sums.data());
+    });
+  }
+};
+
 inline float half_to_float(at::Half h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h.x);
@@ -580,13 +595,11 @@ constexpr int64_t kAhead = 8;  // weight rows prefetched ahead
 // while its weights stream (prefill steps have thousands of rows)
 constexpr int64_t kBlock = 32;
 
-template <typename X, typename O>
+template <typename O>
 void int4_linear_kernel(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& minimums, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / kGroup;
-  std::vector<int8_t> q(rows * k);
-  std::vector<float> d(rows * groups), sums(rows * groups);
-  quantize_rows(x.data_ptr<X>(), x.stride(0), rows, k, q.data(), d.data(), sums.data());
+  const QuantizedRows act(x);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
   const at::Half* mn = minimums.data_ptr<at::Half>();
@@ -607,14 +620,14 @@ void int4_linear_kernel(const at::Tensor& x, const at::Tensor& codes, const at::
         const uint8_t* row = c + i * groups * 16;
         for (int64_t m = block; m < block_end;) {
           const int64_t tile = block_end - m >= kTile ? kTile : 1;
-          const int8_t* qm = q.data() + m * k;
+          const int8_t* qm = act.q.data() + m * k;
           if (tile == kTile) {
             int4_dot_rows<kTile>(row, sc + i * groups, mn + i * groups, groups, qm, k,
-                                 d.data() + m * groups, sums.data() + m * groups, step.data(),
+                                 act.d.data() + m * groups, act.sums.data() + m * groups, step.data(),
                                  result);
           } else {
             int4_dot_rows<1>(row, sc + i * groups, mn + i * groups, groups, qm, k,
-                             d.data() + m * groups, sums.data() + m * groups, step.data(),
+                             act.d.data() + m * groups, act.sums.data() + m * groups, step.data(),
                              result);
           }
           for (int64_t r = 0; r < tile; ++r) o[(m + r) * o_row + i] = from_float<O>(result[r]);
@@ -679,14 +692,12 @@ inline void int4_block_rows(const uint8_t* codes, const at::Half* scale, const a
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kInterleave, acc[r]);
 }
 
-template <typename X, typename O>
+template <typename O>
 void int4_interleaved_kernel(const at::Tensor& x, const at::Tensor& codes,
                              const at::Tensor& scales, const at::Tensor& minimums,
                              at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / kGroup;
-  std::vector<int8_t> q(rows * k);
-  std::vector<float> d(rows * groups), sums(rows * groups);
-  quantize_rows(x.data_ptr<X>(), x.stride(0), rows, k, q.data(), d.data(), sums.data());
+  const QuantizedRows act(x);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
   const at::Half* mn = minimums.data_ptr<at::Half>();
@@ -709,15 +720,15 @@ void int4_interleaved_kernel(const at::Tensor& x, const at::Tensor& codes,
         }
         for (int64_t m = sweep; m < sweep_end;) {
           const int64_t tile = sweep_end - m >= kTile ? kTile : 1;
-          const int8_t* qm = q.data() + m * k;
+          const int8_t* qm = act.q.data() + m * k;
           if (tile == kTile) {
             int4_block_rows<kTile>(c + b * block_bytes, sc + b * block_groups,
-                                   mn + b * block_groups, groups, qm, k, d.data() + m * groups,
-                                   sums.data() + m * groups, result);
+                                   mn + b * block_groups, groups, qm, k, act.d.data() + m * groups,
+                                   act.sums.data() + m * groups, result);
           } else {
             int4_block_rows<1>(c + b * block_bytes, sc + b * block_groups,
-                               mn + b * block_groups, groups, qm, k, d.data() + m * groups,
-                               sums.data() + m * groups, result);
+                               mn + b * block_groups, groups, qm, k, act.d.data() + m * groups,
+                               act.sums.data() + m * groups, result);
           }
           for (int64_t r = 0; r < tile; ++r) {
             for (int64_t j = 0; j < kInterleave; ++j) {
@@ -793,17 +804,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                   scales.is_contiguous() && minimums.is_contiguous(),
               "scales and minimums must be contiguous float16 [n, k / 32]");
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == codes.size(0), "out must be [rows, n]");
-  dispatch_float(x, "x", [&](auto x_type) {
-    dispatch_float(out, "out", [&](auto o_type) {
+  dispatch_float(out, "out", [&](auto o_type) {
 #if defined(CHATGATE_AVX2)
-      if (interleaved(codes.size(0))) {
-        int4_interleaved_kernel<decltype(x_type), decltype(o_type)>(x, codes, scales, minimums,
-                                                                    out);
-        return;
-      }
+    if (interleaved(codes.size(0))) {
+      int4_interleaved_kernel<decltype(o_type)>(x, codes, scales, minimums, out);
+      return;
+    }
 #endif
-      int4_linear_kernel<decltype(x_type), decltype(o_type)>(x, codes, scales, minimums, out);
-    });
+    int4_linear_kernel<decltype(o_type)>(x, codes, scales, minimums, out);
   });
   return out;
 }
@@ -875,18 +883,17 @@ constexpr bool kUnsignedBias = false;
 constexpr bool kUnsignedBias = true;
 #endif
 
-template <typename X, typename O>
+template <typename O>
 void int8_linear_kernel(const at::Tensor& x, const at::Tensor& codes,
                         const at::Tensor& row_scales, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / kGroup;
-  std::vector<int8_t> q(rows * k);
-  std::vector<float> d(rows * groups), sums(rows * groups), steps(rows * groups * 8);
+  const QuantizedRows act(x);
+  std::vector<float> steps(rows * groups * 8);
   std::vector<float> bias(rows, 0.0f);  // 128 * sum(x): what unsigned weights add
-  quantize_rows(x.data_ptr<X>(), x.stride(0), rows, k, q.data(), d.data(), sums.data());
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
-      std::fill_n(&steps[(m * groups / 2 + g / 2) * 16 + (g % 2) * 8], 8, d[m * groups + g]);
-      if (kUnsignedBias) bias[m] += 128.0f * sums[m * groups + g];
+      std::fill_n(&steps[(m * groups / 2 + g / 2) * 16 + (g % 2) * 8], 8, act.d[m * groups + g]);
+      if (kUnsignedBias) bias[m] += 128.0f * act.sums[m * groups + g];
     }
   }
   const uint8_t* c = codes.data_ptr<uint8_t>();
@@ -903,7 +910,7 @@ void int8_linear_kernel(const at::Tensor& x, const at::Tensor& codes,
         }
         for (int64_t m = block; m < block_end;) {
           const int64_t tile = block_end - m >= kTile ? kTile : 1;
-          const int8_t* qm = q.data() + m * k;
+          const int8_t* qm = act.q.data() + m * k;
           const float* sm = steps.data() + m * steps_row;
           if (tile == kTile) {
             int8_dot_rows<kTile>(c + i * k, groups, qm, k, sm, steps_row, result);
@@ -931,10 +938,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes,
   TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.is_contiguous(),
               "row_scales must be contiguous float32 [n]");
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == codes.size(0), "out must be [rows, n]");
-  dispatch_float(x, "x", [&](auto x_type) {
-    dispatch_float(out, "out", [&](auto o_type) {
-      int8_linear_kernel<decltype(x_type), decltype(o_type)>(x, codes, row_scales, out);
-    });
+  dispatch_float(out, "out", [&](auto o_type) {
+    int8_linear_kernel<decltype(o_type)>(x, codes, row_scales, out);
   });
   return out;
 }

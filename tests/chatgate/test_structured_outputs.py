@@ -81,10 +81,12 @@ async def test_websocket_params_take_a_response_format(server):
         assert json.loads(await ws.recv())["type"] == "session"
         await ws.send(json.dumps({
             "type": "message", "content": "Reply with a JSON object whose only key is 'ok'.",
-            "params": {"temperature": 0, "max_tokens": 200,
-                       "response_format": {"type": "json_object"}}}))
+            "params": {"temperature": 0, "max_tokens": 200, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "ok", "schema": {
+                    "type": "object", "properties": {"ok": {"type": "boolean"}},
+                    "required": ["ok"], "additionalProperties": False}}}}}))
         text = ""
         while (event := json.loads(await asyncio.wait_for(ws.recv(), 120)))["type"] != "done":
             assert event["type"] == "delta", event
             text += event["text"]
-        assert event["finish_reason"] == "stop" and isinstance(json.loads(text), dict)
+        assert event["finish_reason"] == "stop" and isinstance(json.loads(text)["ok"], bool)
