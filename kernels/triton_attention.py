@@ -27,9 +27,14 @@ import triton
 import triton.language as tl
 
 # Launch configurations keyed by "16"/"32"-bit queries and "8" for 16-bit queries over an FP8
-# cache (benchmarks/attention_kernels.py sweeps alternatives; correctness does not depend on them)
+# cache (benchmarks/attention_kernels.py sweeps alternatives; correctness does not depend on them).
+# Optional decode keys (default 0): FULL_TILES runs the whole key tiles of a split without masks
+# (one masked tile for the rest); PAGE_ROWS gathers one block-table entry per page of a tile
+# instead of one per token (used only when BLOCK_N is a multiple of a power-of-two block size).
+# FP8: one warp, 32-token tiles, 5 stages (the pipeliner then keeps two tiles of K/V in flight
+# behind the block-table load) -- docs/performance.md "FP8 KV cache".
 DECODE_CONFIG: dict[str, dict[str, int]] = {
-    "8": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3},
+    "8": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 5, "FULL_TILES": 1, "PAGE_ROWS": 1},
     "16": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
     "32": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
 }
@@ -61,6 +66,53 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _decode_tile(
+    q, m, lsum, acc, start, hi, table, k_cache_ptr, v_cache_ptr, kv_off, d,
+    qk_scale, stride_cb, stride_ct, stride_bb,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+    PAGE_ROWS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One key tile of decode online softmax; ``MASK`` guards the tokens at and past ``hi``.
+    ``PAGE_ROWS`` reads one block-table entry per page (tiles start on page boundaries)."""
+    tok = start + tl.arange(0, BLOCK_N)
+    valid = tok < hi
+    if PAGE_ROWS:
+        page = start // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
+        if MASK:
+            block = tl.load(table + page * stride_bb, mask=page * BLOCK_SIZE < hi, other=0)
+        else:
+            block = tl.load(table + page * stride_bb)
+        rows = ((block.to(tl.int64) * stride_cb)[:, None]
+                + (tl.arange(0, BLOCK_SIZE) * stride_ct)[None, :])
+        # the reshape hides the strides' alignment from the compiler: restore it (a cache row
+        # starts at a multiple of 16 elements, as the strides Triton specialises on show)
+        rows = tl.multiple_of(tl.reshape(rows, [BLOCK_N]) + kv_off, 16)
+    else:
+        if MASK:
+            block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb, mask=valid, other=0)
+        else:
+            block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb)
+        rows = block.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_ct + kv_off
+    if MASK:
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :])
+    s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST)
+    if MASK:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    lsum = lsum * alpha + tl.sum(p, 1)
+    if MASK:
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
+    return m_new, lsum, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     out_ptr, mid_o_ptr, mid_lse_ptr,
@@ -72,7 +124,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_FP16: tl.constexpr,
+    DOT_FP16: tl.constexpr, FULL_TILES: tl.constexpr, PAGE_ROWS: tl.constexpr,
 ):
     """One (sequence, KV head, split): all query heads of the KV head over one token range."""
     seq = tl.program_id(0)
@@ -101,21 +153,27 @@ def _decode_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + tl.arange(0, BLOCK_N)
-        valid = tok < hi
-        block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb, mask=valid, other=0)
-        rows = block.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_ct + kv_off
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        lsum = lsum * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
-        m = m_new
+    if FULL_TILES:  # unmasked whole tiles, then at most one masked tile
+        full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
+        for start in range(lo, full_end, BLOCK_N):
+            m, lsum, acc = _decode_tile(
+                q, m, lsum, acc, start, hi, table, k_cache_ptr, v_cache_ptr, kv_off, d,
+                qk_scale, stride_cb, stride_ct, stride_bb,
+                BLOCK_SIZE, BLOCK_N, False, PAGE_ROWS, PRECISION, UPCAST,
+            )
+        if full_end < hi:
+            m, lsum, acc = _decode_tile(
+                q, m, lsum, acc, full_end, hi, table, k_cache_ptr, v_cache_ptr, kv_off, d,
+                qk_scale, stride_cb, stride_ct, stride_bb,
+                BLOCK_SIZE, BLOCK_N, True, PAGE_ROWS, PRECISION, UPCAST,
+            )
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m, lsum, acc = _decode_tile(
+                q, m, lsum, acc, start, hi, table, k_cache_ptr, v_cache_ptr, kv_off, d,
+                qk_scale, stride_cb, stride_ct, stride_bb,
+                BLOCK_SIZE, BLOCK_N, True, PAGE_ROWS, PRECISION, UPCAST,
+            )
 
     nonempty = lsum > 0
     o = acc / tl.where(nonempty, lsum, 1.0)[:, None] * v_scale  # exact when v_scale is 1
@@ -367,6 +425,9 @@ def _decode(call: _Call, splits: int, max_seq_len: int) -> None:
     # A split of at most one key tile has nothing to pipeline: without stage buffers more
     # programs fit on a multiprocessor (short contexts split many ways).
     stages = 1 if -(-max_seq_len // splits) <= block_n else cfg["num_stages"]
+    bs = call.block_size
+    page_rows = (cfg.get("PAGE_ROWS", 0) and bs & (bs - 1) == 0 and block_n % bs == 0
+                 and all(st % 16 == 0 for st in call.strides[4:7]))  # cache strides
     out = call.out
     mid_o, mid_lse, mid_strides = out, out, (0, 0, 0)  # unused with one split
     if splits > 1:
@@ -379,7 +440,8 @@ def _decode(call: _Call, splits: int, max_seq_len: int) -> None:
         *call.tensors, out, mid_o, mid_lse, call.qk_scale, call.v_scale, splits,
         *call.strides, *mid_strides,
         GROUP_PAD=max(16, triton.next_power_of_2(call.constexprs["GROUP"])), BLOCK_N=block_n,
-        DIRECT=splits == 1, num_warps=cfg["num_warps"], num_stages=stages, **call.constexprs,
+        DIRECT=splits == 1, num_warps=cfg["num_warps"], num_stages=stages,
+        FULL_TILES=bool(cfg.get("FULL_TILES", 0)), PAGE_ROWS=bool(page_rows), **call.constexprs,
     )
     if splits > 1:
         _reduce_kernel[(call.num_seqs, call.num_heads)](
