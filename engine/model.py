@@ -143,8 +143,8 @@ class LlamaModel:
             return None
         operands = []
         for layer, next_norm in zip(self.layers, self.next_norms, strict=True):
-            products = [getattr(p, "fused_operands", lambda: None)()
-                        for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            products = [p.fused_operands() for p in (layer.qkv, layer.o, layer.gate_up,
+                                                     layer.down)]
             if any(p is None for p in products):
                 return None
             operands.append([t for p in products for t in p] + [layer.post_norm, next_norm])

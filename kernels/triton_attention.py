@@ -68,6 +68,23 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(s, m, lsum, acc, v_cache_ptr, rows, d, valid, qk_scale, dtype,
+                         MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile's scores ``s`` into the running max ``m``, sum ``lsum`` and output ``acc``
+    (the tile's values read at cache ``rows``; ``valid`` masks them with ``MASK``)."""
+    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    lsum = lsum * alpha + tl.sum(p, 1)
+    if MASK:
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
+    acc = acc * alpha[:, None] + _dot(p.to(dtype), v.to(dtype), PRECISION, UPCAST)
+    return m_new, lsum, acc
+
+
+@triton.jit
 def _decode_tile(
     q, m, lsum, acc, start, hi, table, k_cache_ptr, v_cache_ptr, kv_off, d,
     qk_scale, stride_cb, stride_ct, stride_bb,
@@ -102,16 +119,8 @@ def _decode_tile(
     s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST)
     if MASK:
         s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-    p = tl.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m - m_new)
-    lsum = lsum * alpha + tl.sum(p, 1)
-    if MASK:
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    else:
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
-    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
-    return m_new, lsum, acc
+    return _online_softmax_step(s, m, lsum, acc, v_cache_ptr, rows, d, valid, qk_scale, q.dtype,
+                                MASK, PRECISION, UPCAST)
 
 
 @triton.jit
@@ -226,8 +235,8 @@ def _extend_tile(
 ):
     """One key tile of online softmax; ``MASK`` applies causality and the sequence end."""
     tok = start + tl.arange(0, BLOCK_N)
+    valid = tok < seq_len
     if MASK:
-        valid = tok < seq_len
         block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb, mask=valid, other=0)
     else:
         block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb)
@@ -239,16 +248,8 @@ def _extend_tile(
     s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST)
     if MASK:
         s = tl.where(valid[None, :] & (tok[None, :] <= qpos[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-    p = tl.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m - m_new)
-    lsum = lsum * alpha + tl.sum(p, 1)
-    if MASK:
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    else:
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
-    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
-    return m_new, lsum, acc
+    return _online_softmax_step(s, m, lsum, acc, v_cache_ptr, rows, d, valid, qk_scale, q.dtype,
+                                MASK, PRECISION, UPCAST)
 
 
 @triton.jit
