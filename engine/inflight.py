@@ -9,24 +9,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.structured import GrammarMasks
 
 PLACEHOLDER = -1  # a sampled token the host has not read yet (token ids are never negative)
 
 
 @dataclass
 class InflightStep:
-    """``host[i]``, once ``ready`` has completed (None: already there), is the token of
-    ``seqs[i]``; ``rows`` maps the seq_id of each sequence that awaits its token to its row."""
+    """``rows`` maps the seq_id of each sequence that awaits its token to its row; once the
+    tokens are drawn (:meth:`drawn`), ``host[i]`` is the token of ``seqs[i]`` when ``ready`` has
+    completed (None: already there)."""
 
     seqs: list[Sequence]
-    host: torch.Tensor
-    ready: torch.cuda.Event | None
     rows: dict[int, int]
+    host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
 
     @staticmethod
-    def launch(sampled: list[Sequence], host: torch.Tensor,
-               ready: torch.cuda.Event | None) -> "InflightStep | None":
+    def launch(sampled: list[Sequence]) -> "InflightStep | None":
         """Put a placeholder at the end of every ``sampled`` sequence still running; None when
         there is none."""
         live = [i for i, seq in enumerate(sampled) if not seq.is_finished]
@@ -34,7 +36,12 @@ class InflightStep:
             sampled[i].token_ids.append(PLACEHOLDER)
         if not live:
             return None
-        return InflightStep(sampled, host, ready, {sampled[i].seq_id: i for i in live})
+        return InflightStep(sampled, {sampled[i].seq_id: i for i in live})
+
+    def drawn(self, host: torch.Tensor, ready: torch.cuda.Event | None) -> "InflightStep":
+        """Record where the tokens land (``ModelRunner.keep_sampled``'s answer)."""
+        self.host, self.ready = host, ready
+        return self
 
     def feed(self, seqs: list[Sequence]) -> np.ndarray:
         """For ``ModelRunner.execute``: each sequence's row here if its input is the token in
@@ -45,6 +52,7 @@ class InflightStep:
     def tokens(self) -> Iterator[tuple[Sequence, int]]:
         """Wait for the tokens, then each sequence still waiting for its token (not aborted
         meanwhile) with that token, its placeholder removed."""
+        assert self.host is not None, "the tokens are not drawn yet"
         if self.ready is not None:
             self.ready.synchronize()
         values = self.host.tolist()
@@ -54,3 +62,18 @@ class InflightStep:
                 continue
             seq.token_ids.pop()
             yield seq, values[i]
+
+
+@dataclass(frozen=True)
+class PendingDraw:
+    """The draw of an in-flight step whose rows wait for grammar masks (filled on the grammar
+    thread while the host goes on): what ``sampler.draw`` needs, kept until the next step
+    draws it, before that step's input is needed. ``logits`` are the step's raw logits (the
+    device reads them before the next forward overwrites them); ``histories`` are the rows'
+    token ids as of the draw (see ``sampler.shaped``)."""
+
+    logits: torch.Tensor
+    params: list[SamplingParams]
+    keys: list[int | None]
+    histories: list[tuple[list[int], list[int]]]
+    masks: GrammarMasks

@@ -1,12 +1,13 @@
 """The engine core: requests in, one scheduled step at a time, outputs out.
 
 With overlapped scheduling (``EngineConfig.async_scheduling``) a step is launched before the
-previous one's tokens are read (rows with grammars or penalties are sampled once they are, while
-the device runs the step's forward): each sampled sequence then ends in ``PLACEHOLDER`` until the
-next step resolves it (so the scheduler counts the token it will compute), the next step's
-input for it is taken on the device, and a sequence that the resolved token finishes has
-computed one token more, discarded. Between steps at most one step is in flight, and a
-placeholder is only ever a sequence's last token, never in a hashed block or a pin.
+previous one's tokens are read, and its rows are sampled once they are (penalties see every
+token); rows with grammars are drawn only at the start of the next step, so that their masks
+fill on the grammar thread while the host does the rest. Each sampled sequence ends in
+``PLACEHOLDER`` until the next step resolves it (so the scheduler counts the token it will
+compute), the next step's input for it is taken on the device, and a sequence that the resolved
+token finishes has computed one token more, discarded. Between steps at most one step is in
+flight, and a placeholder is only ever a sequence's last token, never in a hashed block or a pin.
 
 Not thread-safe: exactly one thread drives it (the caller of ``LLM``, or the loop of the engine
 process, ``engine.core``).
@@ -20,7 +21,7 @@ import torch
 from engine.chat import render_chat
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.inflight import PLACEHOLDER, InflightStep
+from engine.inflight import PLACEHOLDER, InflightStep, PendingDraw
 from engine.info import EngineInfo
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer import KVTransfer
@@ -33,7 +34,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
-from engine.structured import GrammarCompiler
+from engine.structured import GrammarCompiler, GrammarMasks
 from engine.tensor_parallel import check_divisible, start_workers
 
 logger = logging.getLogger("engine")
@@ -92,6 +93,7 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda" and tp is None)
         self._inflight: InflightStep | None = None
+        self._pending: PendingDraw | None = None  # the in-flight step's draw, if it waits
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -107,7 +109,8 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("structured output needs a tokenizer; this model has none")
         if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                                     self.runner.device)
         return self._grammar_compiler
 
     # -- requests ----------------------------------------------------------------------------
@@ -210,22 +213,17 @@ class LLMEngine:
             sample_indices = self._sample_indices(batch)
         if not batch.seqs:
             return outputs + self._resolve_inflight()
-        logits = self.runner.execute(
-            batch, sample_indices,
-            self._inflight.feed(batch.seqs) if self._inflight is not None else None)
+        feed = self._inflight.feed(batch.seqs) if self._inflight is not None else None
+        host = self.runner.host_metadata(batch)  # while grammar masks may still be filling
+        if self._pending is not None:
+            self._draw_pending()  # this step's input
+        logits = self.runner.execute(batch, sample_indices, feed, host)
         if overlap:
-            # Rows whose logits depend on the previous token (grammars, penalties) are sampled
-            # after it is read, while the device computes this step's forward; others before.
-            late = any(seq.matcher is not None or seq.params.shapes_logits for seq in sampled)
-            if late:
-                outputs = self._resolve_inflight()
-            tokens = draw(self._shaped(logits, sampled), [seq.params for seq in sampled],
-                          [self._key(seq) for seq in sampled])
-            host, ready = self.runner.keep_sampled(tokens)
-            if not late:
-                outputs = self._resolve_inflight()  # the previous step's, while this one runs
+            resolved = self._read_inflight()  # the previous step's, while this one runs
+            masks = self._masks(sampled)  # filled while the rest of the step runs
+            outputs = self._apply_tokens(resolved)
+            self._launch_draw(sampled, logits, masks)
             self._commit(batch)
-            self._inflight = InflightStep.launch(sampled, host, ready)
             return outputs
         self._commit(batch)
         return outputs + self._sample_now(batch, sample_indices, logits)
@@ -243,18 +241,54 @@ class LLMEngine:
         return (seq.params.logprobs is None
                 and not self.requests[seq.request_id].pending_forks)
 
-    def _shaped(self, logits: torch.Tensor, sampled: list[Sequence]) -> torch.Tensor:
-        """The logits ``sampled`` choose from (penalties, grammars); a row a resolved token
-        finished is left as it is (its token is discarded)."""
-        matchers = [None if seq.is_finished else seq.matcher for seq in sampled]
-        constrained = any(m is not None for m in matchers)
+    def _launch_draw(self, sampled: list[Sequence], logits: torch.Tensor,
+                     masks: GrammarMasks | None) -> None:
+        """Draw ``sampled``'s tokens without waiting for them (they become the in-flight step);
+        with grammar ``masks`` (being filled), the draw waits for the next step
+        (:meth:`_draw_pending`), so the masks fill while the host goes on. A row a resolved
+        token finished is drawn as it is (its token is discarded)."""
         params = [seq.params for seq in sampled]
-        if not constrained and not any(p.shapes_logits for p in params):
+        keys = [self._key(seq) for seq in sampled]
+        histories = self._histories(sampled)
+        self._inflight = InflightStep.launch(sampled)
+        if self._inflight is None:  # every row finished: nothing to draw
+            return
+        if masks is not None:
+            self._pending = PendingDraw(logits, params, keys, histories, masks)
+            return
+        tokens = draw(self._shaped(logits, params, histories, None), params, keys)
+        self._inflight.drawn(*self.runner.keep_sampled(tokens))
+
+    def _draw_pending(self) -> None:
+        """Draw the in-flight step's tokens once their grammar masks are filled."""
+        pending, self._pending = self._pending, None
+        assert pending is not None and self._inflight is not None
+        tokens = draw(self._shaped(pending.logits, pending.params, pending.histories,
+                                   pending.masks), pending.params, pending.keys)
+        self._inflight.drawn(*self.runner.keep_sampled(tokens))
+
+    def _masks(self, sampled: list[Sequence]) -> GrammarMasks | None:
+        """The grammar masks of ``sampled``'s rows, being filled (None: no row has one)."""
+        matchers = [None if seq.is_finished else seq.matcher for seq in sampled]
+        if all(m is None for m in matchers):
+            return None
+        return self._grammars().masks(matchers)
+
+    @staticmethod
+    def _histories(sampled: list[Sequence]) -> list[tuple[list[int], list[int]]]:
+        """Each row's (prompt ids, output ids) where its params shape its logits (penalties)."""
+        return [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids)
+                if s.params.shapes_logits else ([], []) for s in sampled]
+
+    def _shaped(self, logits: torch.Tensor, params: list[SamplingParams],
+                histories: list[tuple[list[int], list[int]]],
+                masks: GrammarMasks | None) -> torch.Tensor:
+        """The logits the rows choose from: penalties, then grammar masks (waited for)."""
+        if masks is None and not any(p.shapes_logits for p in params):
             return logits
-        histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids)
-                     if s.params.shapes_logits else ((), ()) for s in sampled]
         return shaped(logits, params, histories, self.eos_token_ids,
-                      (lambda x: self._grammars().constrain(x, matchers)) if constrained else None)
+                      (lambda x: self._grammars().apply(masks, x)) if masks is not None
+                      else None)
 
     @staticmethod
     def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
@@ -271,10 +305,25 @@ class LLMEngine:
     def _resolve_inflight(self) -> list[RequestOutput]:
         """Read the in-flight step's tokens into their sequences (stop checks, text) and
         return the outputs they make."""
+        return self._apply_tokens(self._read_inflight())
+
+    def _read_inflight(self) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """Wait for the in-flight step's tokens (drawn first if their masks were pending) and
+        record the grammars' ones (see ``GrammarCompiler.accept``)."""
+        if self._pending is not None:
+            self._draw_pending()
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return []
-        return self._apply_tokens([(seq, token, None) for seq, token in inflight.tokens()])
+        tokens = [(seq, token, None) for seq, token in inflight.tokens()]
+        self._record_grammar_tokens(tokens)
+        return tokens
+
+    def _record_grammar_tokens(self, tokens: list[tuple[Sequence, int, TokenLogprob | None]]
+                               ) -> None:
+        constrained = [(seq.matcher, token) for seq, token, _ in tokens if seq.matcher is not None]
+        if constrained:
+            self._grammars().accept([m for m, _ in constrained], [t for _, t in constrained])
 
     def _commit(self, batch: ScheduledBatch) -> None:
         """Record the KV the step computed, for the sequences still running."""
@@ -307,18 +356,19 @@ class LLMEngine:
                 request.pending_forks = []
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        token_ids, logprobs = sample(logits, [s.params for s in sampled],
-                                     [self._key(s) for s in sampled],
-                                     choose_from=self._shaped(logits, sampled))
-        return self._apply_tokens(list(zip(sampled, token_ids, logprobs, strict=True)))
+        params = [s.params for s in sampled]
+        token_ids, logprobs = sample(
+            logits, params, [self._key(s) for s in sampled],
+            choose_from=self._shaped(logits, params, self._histories(sampled),
+                                     self._masks(sampled)))
+        tokens = list(zip(sampled, token_ids, logprobs, strict=True))
+        self._record_grammar_tokens(tokens)
+        return self._apply_tokens(tokens)
 
     def _apply_tokens(self, tokens: list[tuple[Sequence, int, TokenLogprob | None]]
                       ) -> list[RequestOutput]:
-        """Append each sampled token to its sequence (grammars advanced in one batch, then stop
-        checks and text) and return the outputs of the requests that changed."""
-        constrained = [(seq.matcher, token) for seq, token, _ in tokens if seq.matcher is not None]
-        if constrained:
-            self._grammars().accept([m for m, _ in constrained], [t for _, t in constrained])
+        """Append each sampled token to its sequence (stop checks, text) and return the outputs
+        of the requests that changed."""
         touched: dict[str, Request] = {}
         for seq, token, logprob in tokens:
             request = self.requests[seq.request_id]
@@ -357,7 +407,7 @@ class LLMEngine:
                 seq.finish_reason = "length"
             elif seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
-            elif seq.matcher is not None and seq.matcher.is_terminated():
+            elif seq.matcher is not None and token_id in self._grammars().stop_token_ids:
                 seq.finish_reason = "stop"  # the grammar is complete
         if seq.finish_reason is not None:
             if detok is not None and detok.stop_reason is None:

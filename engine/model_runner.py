@@ -230,7 +230,7 @@ class ModelRunner:
 
     # -- host-side metadata ------------------------------------------------------------------
 
-    def _host_metadata(self, batch: ScheduledBatch) -> dict[str, np.ndarray]:
+    def host_metadata(self, batch: ScheduledBatch) -> dict[str, np.ndarray]:
         """Kernel inputs of one step as numpy arrays (see ``kernels/__init__.py``)."""
         seqs = batch.seqs
         n = len(seqs)
@@ -268,14 +268,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, sample_indices: list[int],
-                feed: np.ndarray | None = None) -> torch.Tensor:
+                feed: np.ndarray | None = None,
+                host: dict[str, np.ndarray] | None = None) -> torch.Tensor:
         """Run one step; returns the logits (model dtype) of the sequences at ``sample_indices``.
 
         ``feed[i] >= 0``: sequence ``i`` is decoding a token the host has not read yet, row
-        ``feed[i]`` of :meth:`keep_sampled`'s last tokens, taken on the device. On the
-        CUDA-graph path the result is a view of the graph's static output: read it (the sampler
-        does) before the next ``execute``."""
-        host = self._host_metadata(batch)
+        ``feed[i]`` of :meth:`keep_sampled`'s last tokens, taken on the device. ``host``: the
+        batch's :meth:`host_metadata`, if already made. On the CUDA-graph path the result is a
+        view of the graph's static output: read it (the sampler does) before the next
+        ``execute``."""
+        if host is None:
+            host = self.host_metadata(batch)
         if self.tp is None:
             return self.run_step(host, batch.copies, sample_indices, feed)
         self.tp.broadcast_step((host, batch.copies, sample_indices))

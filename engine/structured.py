@@ -3,23 +3,30 @@
 A request whose ``SamplingParams.structured`` is set gets one ``GrammarMatcher`` per sample.
 Each step, the rows that have one get a token bitmask (``fill_next_token_bitmask``) applied to
 the logits they choose from, so only tokens that keep the output a valid prefix of the grammar
-can be drawn; the chosen token is then accepted by the matcher, and a matcher that has reached
-the end of its grammar finishes its sample (``stop``). Compiled grammars are cached by their
-specification. xgrammar is imported on first use, so the engine runs without it until a request
-asks for structured output.
+can be drawn; the chosen token is then accepted by the matcher, and a grammar's stop token
+(allowed only once the grammar is complete) finishes its sample (``stop``). Masks are filled on
+a thread of their own while the engine's Python work goes on. Compiled grammars are cached by
+their specification. xgrammar is imported on first use, so the engine runs without it until a
+request asks for structured output.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 import torch
 
 MAX_WHITESPACE = 16  # whitespace characters allowed between two JSON tokens
+# While masks are being filled, the interpreter hands the GIL to a waiting thread after this
+# long (Python's default, 5 ms, is longer than a step: the grammar thread would start only when
+# the engine's thread waits for it, and nothing would overlap)
+GIL_SWITCH_INTERVAL_S = 2e-5
 
 
 @dataclass(frozen=True)
@@ -50,16 +57,35 @@ def _xgrammar() -> Any:
 
 
 class GrammarCompiler:
-    """Compiles and caches grammars for one tokenizer and vocabulary size, and applies their
-    masks to the logits (:meth:`constrain`)."""
+    """Compiles and caches grammars for one tokenizer and vocabulary size, and fills their
+    token masks on a thread of their own (:meth:`masks`), so that a step's Python work runs
+    while they are filled (xgrammar releases the GIL).
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    Matchers are touched by that thread alone: :meth:`accept` only records each matcher's
+    token, and the next :meth:`masks` advances the matchers by them before it fills any mask.
+    One mask job is outstanding at a time (the next waits for it)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device) -> None:
+        """``device``: where the logits are (the bitmask is pinned for a GPU)."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self._pin = device.type == "cuda"
         self._compiler: Any = None
-        # the bitmask rows, reused from step to step (pinned where a GPU reads them): a fresh
-        # pageable one per step cost more than filling it
+        self._info: Any = None
+        self._accepted: list[tuple[Any, int]] = []
+        self._job: Future[None] | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        # the bitmask rows, reused from step to step (pinned where a GPU reads them: a fresh
+        # pageable one per step cost more than filling it); `_copied` marks the end of the
+        # last copy out of them, which a refill waits for
         self._bitmask: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    @cached_property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The tokens that end a grammar (a sampled one is allowed only where its grammar is
+        complete, so accepting it terminates the matcher)."""
+        return frozenset(self._tokenizer_info().stop_token_ids)
 
     def matcher(self, spec: StructuredOutput) -> Any:
         """A fresh ``GrammarMatcher`` for ``spec``; ``ValueError`` if it cannot be compiled."""
@@ -69,44 +95,102 @@ class GrammarCompiler:
         except RuntimeError as e:  # xgrammar's error for a schema it cannot handle
             raise ValueError(f"json_schema cannot be compiled: {e}") from None
 
-    def constrain(self, logits: torch.Tensor, matchers: Sequence[Any | None]) -> None:
-        """Mask, in place, every row of the float32 ``logits`` that has a matcher to the tokens
-        its grammar allows next. The rows' bitmasks are filled in one call, across threads (a
-        batch of 256 constrained rows took longer to fill one by one than the GPU's step)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
-            return
+    def accept(self, matchers: Sequence[Any], tokens: Sequence[int]) -> None:
+        """Record that each matcher's output went on with its token (a sampled token is always
+        one its grammar allowed); the matchers advance before their next masks are filled."""
+        self._accepted += zip(matchers, tokens, strict=True)
+
+    def masks(self, matchers: Sequence[Any | None]) -> GrammarMasks:
+        """Start filling, on the grammar thread, the token masks of one logits row per matcher:
+        row ``i`` is masked by ``matchers[i]`` (None, or a matcher whose last token ended its
+        grammar: left as it is). The recorded tokens are accepted first."""
         xgr = _xgrammar()
-        shape = xgr.get_bitmask_shape(len(matchers), logits.shape[1])
+        shape = xgr.get_bitmask_shape(len(matchers), self.vocab_size)
+        self._wait()
         if (self._bitmask is None or self._bitmask.shape[0] < shape[0]
                 or self._bitmask.shape[1] != shape[1]):
             self._bitmask = torch.empty(max(shape[0], 64), shape[1], dtype=xgr.bitmask_dtype,
-                                        pin_memory=logits.is_cuda)
+                                        pin_memory=self._pin)
+            self._copied = None
+        if self._copied is not None:
+            # the last copy out of the bitmask has read it (done by now: a job starts after the
+            # tokens of the step that last applied masks are read)
+            self._copied.synchronize()
+        accepted, self._accepted = self._accepted, []
+        ended = {id(m) for m, token in accepted if token in self.stop_token_ids}
+        rows = [i for i, m in enumerate(matchers) if m is not None and id(m) not in ended]
         bitmask = self._bitmask[:shape[0]]
-        _batch_matcher().batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask,
-                                                       indices=rows)
-        # the copy may run ahead: the buffer is refilled only after this step's tokens are read;
-        # with every row constrained, no row list goes to the device (a copy per step)
-        everyone = len(rows) == logits.shape[0]
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        indices=None if everyone else rows)
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the job gives it back when it ends
+        self._job = self._thread.submit(self._fill, accepted, [matchers[i] for i in rows],
+                                        rows, bitmask, switch_interval)
+        return GrammarMasks(self._job, bitmask, rows)
+
+    def apply(self, masks: GrammarMasks, logits: torch.Tensor) -> None:
+        """Wait for ``masks``, then mask, in place, each masked row of the float32 ``logits``
+        to the tokens its grammar allows next."""
+        if masks.job is self._job:
+            self._wait()
+        masks.job.result()
+        if not masks.rows:
+            return
+        bitmask = masks.bitmask.to(logits.device, non_blocking=True)
+        if logits.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        # with every row masked, no row list goes to the device (a copy per step)
+        everyone = len(masks.rows) == logits.shape[0]
+        _xgrammar().apply_token_bitmask_inplace(logits, bitmask,
+                                                indices=None if everyone else masks.rows)
+
+    def _wait(self) -> None:
+        """Wait for the outstanding mask job, if any (its error is raised here)."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.result()
 
     @staticmethod
-    def accept(matchers: Sequence[Any], tokens: Sequence[int]) -> None:
-        """Advance each matcher by its token, in one call (a sampled token is always one its
-        grammar allowed)."""
-        _xgrammar().BatchGrammarMatcher.batch_accept_token(list(matchers), list(tokens))
+    def _fill(accepted: list[tuple[Any, int]], matchers: list[Any], rows: list[int],
+              bitmask: torch.Tensor, switch_interval: float) -> None:
+        """On the grammar thread: advance the matchers, then fill the bitmask rows ``rows`` of
+        ``matchers`` (across xgrammar's threads), then give the interpreter back its GIL switch
+        interval. Two calls into xgrammar in all: each call hands the GIL over twice, which
+        costs the engine's thread more than the call itself when it is a matcher's."""
+        try:
+            xgr = _xgrammar()
+            if accepted:
+                xgr.BatchGrammarMatcher.batch_accept_token([m for m, _ in accepted],
+                                                           [t for _, t in accepted])
+            if rows:
+                _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        finally:
+            sys.setswitchinterval(switch_interval)
+
+    def _tokenizer_info(self) -> Any:
+        if self._info is None:
+            xgr = _xgrammar()
+            self._info = xgr.TokenizerInfo.from_huggingface(self._tokenizer,
+                                                            vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(self._info)
+        return self._info
 
     @cache  # noqa: B019 - one compiler per engine; grammars live as long as it
     def _compile(self, spec: StructuredOutput) -> Any:
-        xgr = _xgrammar()
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(info)
+        self._tokenizer_info()  # the compiler
         schema = '{"type": "object"}' if spec.json_object else spec.json_schema
         # bounded whitespace between tokens: a weak model under a grammar that allows any
         # amount of it can fill max_tokens with blank lines and never close the object
         return self._compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
+
+
+@dataclass(frozen=True)
+class GrammarMasks:
+    """The token masks of one step's logits rows ``rows`` (the others are left as they are),
+    being filled on the grammar thread by ``job``."""
+
+    job: Future[None]
+    bitmask: torch.Tensor
+    rows: list[int]
 
 
 @cache

@@ -1,7 +1,8 @@
 """Overlapped scheduling (``async_scheduling``) on the CPU path: outputs arrive one step later
-but are those of synchronous steps (lengths, stops, seeds, sessions; grammars and penalties,
-sampled once the previous token is read; logprobs and n > 1, which run synchronously); an abort
-while a token is in flight reports nothing of it and frees every block."""
+but are those of synchronous steps (lengths, stops, seeds, sessions; penalties, sampled once
+the previous token is read; grammars, drawn at the next step once their masks are filled;
+logprobs and n > 1, which run synchronously); an abort while a token is in flight, drawn or
+waiting for its mask, reports nothing of it and frees every block."""
 
 import json
 
@@ -112,3 +113,31 @@ def test_session_pins_and_reuse_are_those_of_synchronous_steps(engines) -> None:
         pins[mode] = (pinned.token_ids, out2.outputs[0].token_ids, new_tokens)
         llm.unpin_session(f"s-{mode}")
     assert pins[True] == pins[False]
+
+
+def test_abort_while_a_grammar_row_waits_for_its_mask_leaves_the_others_valid() -> None:
+    llm = LLM("smollm2", max_model_len=512, num_kv_blocks=64, async_scheduling=True)
+    engine = llm.engine
+    prompts = _prompts(llm)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    structured = StructuredOutput(json_schema=json.dumps(schema))
+    engine.add_request("gone", prompts[0], SamplingParams(temperature=0, max_tokens=50,
+                                                          structured=structured))
+    engine.add_request("stays", prompts[1], SamplingParams(temperature=0, max_tokens=50,
+                                                           structured=structured))
+    text = {"gone": "", "stays": ""}
+    for _ in range(3):
+        for out in engine.step():
+            text[out.request_id] += out.outputs[0].text
+    assert engine.requests["gone"].seqs[0].token_ids[-1] == PLACEHOLDER  # its draw waits
+    last = engine.abort("gone")
+    assert last is not None and last.finished
+    finish = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == "stays"
+            text["stays"] += out.outputs[0].text
+            finish = out.outputs[0].finish_reason
+    assert finish == "stop" and set(json.loads(text["stays"])) == {"ok"}
+    assert engine.kv.pool.num_used == 0

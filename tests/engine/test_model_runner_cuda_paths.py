@@ -33,7 +33,7 @@ def test_host_metadata_mixed_batch_matches_definition():
             _Seq(list(range(200, 206)), 0, [2, 8]),         # prefill of 6
             _Seq(list(range(300, 313)), 5, [1, 4, 6, 9])]   # extend 5..11 (chunk of 7)
     batch = ScheduledBatch(seqs=seqs, num_new_tokens=[1, 6, 7])
-    host = runner._host_metadata(batch)
+    host = runner.host_metadata(batch)
     positions = [9] + list(range(6)) + list(range(5, 12))
     assert host["positions"].tolist() == positions
     assert host["input_ids"].tolist() == [109] + list(range(200, 206)) + list(range(305, 312))
@@ -51,7 +51,7 @@ def test_host_metadata_pure_decode():
     runner = ModelRunner.__new__(ModelRunner)
     runner.block_size = 16
     seqs = [_Seq(list(range(40)), 39, [4, 9, 11]), _Seq([5, 6], 1, [2])]
-    host = runner._host_metadata(ScheduledBatch(seqs=seqs, num_new_tokens=[1, 1]))
+    host = runner.host_metadata(ScheduledBatch(seqs=seqs, num_new_tokens=[1, 1]))
     assert host["input_ids"].tolist() == [39, 6]
     assert host["positions"].tolist() == [39, 1]
     assert host["slot_mapping"].tolist() == [11 * 16 + 7, 2 * 16 + 1]

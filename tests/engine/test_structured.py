@@ -2,11 +2,13 @@
 schema, with n > 1, seeds, and under preemption by recompute."""
 
 import json
+import sys
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
-from engine.structured import StructuredOutput
+from engine.structured import GrammarCompiler, StructuredOutput
 
 pytest.importorskip("xgrammar")
 
@@ -66,3 +68,25 @@ def test_rows_without_a_grammar_are_not_masked_by_their_neighbours(llm: LLM) -> 
     mixed = llm.chat(PROMPTS, [free, constrained, free, constrained])
     assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
     check([mixed[1], mixed[3]])
+
+
+def test_masks_follow_recorded_tokens_and_leave_other_rows_alone(llm: LLM) -> None:
+    """A mask is filled after the matcher took the tokens recorded for it; a row without a
+    matcher, and a row whose matcher has just taken its grammar's stop token, stay as they are;
+    the interpreter's GIL switch interval is the same after a mask job as before."""
+    tok = llm.tokenizer
+    brace = tok.encode("{", add_special_tokens=False)[0]
+    pair = tok.encode("{}", add_special_tokens=False)[0]
+    grammars = GrammarCompiler(tok, llm.engine.vocab_size, torch.device("cpu"))
+    spec = StructuredOutput(json_object=True)
+    opened, fresh, ended = grammars.matcher(spec), grammars.matcher(spec), grammars.matcher(spec)
+    interval = sys.getswitchinterval()
+    grammars.accept([opened, ended], [brace, pair])
+    grammars.accept([ended], [tok.eos_token_id])  # "{}" then the stop token: it has ended
+    logits = torch.zeros(4, llm.engine.vocab_size)
+    grammars.apply(grammars.masks([opened, None, fresh, ended]), logits)
+    allowed = logits > float("-inf")
+    assert not allowed[0, brace] and allowed[2, brace]  # "{" opened row 0 only
+    assert allowed[2].sum() < logits.shape[1] / 10  # a fresh object allows few tokens
+    assert allowed[1].all() and allowed[3].all()
+    assert sys.getswitchinterval() == interval
