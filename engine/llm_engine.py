@@ -321,6 +321,7 @@ class LLMEngine:
 
     def _record_grammar_tokens(self, tokens: list[tuple[Sequence, int, TokenLogprob | None]]
                                ) -> None:
+        """Record the constrained rows' tokens for their matchers (see ``GrammarCompiler``)."""
         constrained = [(seq.matcher, token) for seq, token, _ in tokens if seq.matcher is not None]
         if constrained:
             self._grammars().accept([m for m, _ in constrained], [t for _, t in constrained])

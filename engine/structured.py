@@ -130,8 +130,8 @@ class GrammarCompiler:
         """Wait for ``masks``, then mask, in place, each masked row of the float32 ``logits``
         to the tokens its grammar allows next."""
         if masks.job is self._job:
-            self._wait()
-        masks.job.result()
+            self._job = None
+        masks.job.result()  # its error is raised here
         if not masks.rows:
             return
         bitmask = masks.bitmask.to(logits.device, non_blocking=True)
@@ -154,8 +154,8 @@ class GrammarCompiler:
               bitmask: torch.Tensor, switch_interval: float) -> None:
         """On the grammar thread: advance the matchers, then fill the bitmask rows ``rows`` of
         ``matchers`` (across xgrammar's threads), then give the interpreter back its GIL switch
-        interval. Two calls into xgrammar in all: each call hands the GIL over twice, which
-        costs the engine's thread more than the call itself when it is a matcher's."""
+        interval. Two calls into xgrammar whatever the batch (each hands the GIL over and back
+        to the engine's thread), never one per matcher."""
         try:
             xgr = _xgrammar()
             if accepted:
