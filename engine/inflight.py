@@ -38,10 +38,9 @@ class InflightStep:
             return None
         return InflightStep(sampled, {sampled[i].seq_id: i for i in live})
 
-    def drawn(self, host: torch.Tensor, ready: torch.cuda.Event | None) -> "InflightStep":
+    def drawn(self, host: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         """Record where the tokens land (``ModelRunner.keep_sampled``'s answer)."""
         self.host, self.ready = host, ready
-        return self
 
     def feed(self, seqs: list[Sequence]) -> np.ndarray:
         """For ``ModelRunner.execute``: each sequence's row here if its input is the token in

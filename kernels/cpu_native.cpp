@@ -623,8 +623,8 @@ void int4_linear_kernel(const at::Tensor& x, const at::Tensor& codes, const at::
           const int8_t* qm = act.q.data() + m * k;
           if (tile == kTile) {
             int4_dot_rows<kTile>(row, sc + i * groups, mn + i * groups, groups, qm, k,
-                                 act.d.data() + m * groups, act.sums.data() + m * groups, step.data(),
-                                 result);
+                                 act.d.data() + m * groups, act.sums.data() + m * groups,
+                                 step.data(), result);
           } else {
             int4_dot_rows<1>(row, sc + i * groups, mn + i * groups, groups, qm, k,
                              act.d.data() + m * groups, act.sums.data() + m * groups, step.data(),

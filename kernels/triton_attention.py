@@ -68,6 +68,28 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(cache_ptr, rows, d, valid, MASK: tl.constexpr):
+    """The cache rows at offsets ``rows`` (``valid`` masks them with ``MASK``)."""
+    if MASK:
+        x = tl.load(cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        x = tl.load(cache_ptr + rows[:, None] + d[None, :])
+    return x
+
+
+@triton.jit
+def _token_rows(tok, valid, table, kv_off, stride_cb, stride_ct, stride_bb,
+                BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr):
+    """Cache row offsets of the tokens ``tok`` through their block table, one entry per token
+    (``valid`` masks the lookups with ``MASK``)."""
+    if MASK:
+        block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb, mask=valid, other=0)
+    else:
+        block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb)
+    return block.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_ct + kv_off
+
+
+@triton.jit
 def _online_softmax_step(s, m, lsum, acc, v_cache_ptr, rows, d, valid, qk_scale, dtype,
                          MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One key tile's scores ``s`` into the running max ``m``, sum ``lsum`` and output ``acc``
@@ -76,10 +98,7 @@ def _online_softmax_step(s, m, lsum, acc, v_cache_ptr, rows, d, valid, qk_scale,
     p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m - m_new)
     lsum = lsum * alpha + tl.sum(p, 1)
-    if MASK:
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    else:
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :])
+    v = _load_rows(v_cache_ptr, rows, d, valid, MASK)
     acc = acc * alpha[:, None] + _dot(p.to(dtype), v.to(dtype), PRECISION, UPCAST)
     return m_new, lsum, acc
 
@@ -107,15 +126,9 @@ def _decode_tile(
         # starts at a multiple of 16 elements, as the strides Triton specialises on show)
         rows = tl.multiple_of(tl.reshape(rows, [BLOCK_N]) + kv_off, 16)
     else:
-        if MASK:
-            block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb, mask=valid, other=0)
-        else:
-            block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb)
-        rows = block.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_ct + kv_off
-    if MASK:
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    else:
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :])
+        rows = _token_rows(tok, valid, table, kv_off, stride_cb, stride_ct, stride_bb,
+                           BLOCK_SIZE, MASK)
+    k = _load_rows(k_cache_ptr, rows, d, valid, MASK)
     s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST)
     if MASK:
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -236,15 +249,9 @@ def _extend_tile(
     """One key tile of online softmax; ``MASK`` applies causality and the sequence end."""
     tok = start + tl.arange(0, BLOCK_N)
     valid = tok < seq_len
-    if MASK:
-        block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb, mask=valid, other=0)
-    else:
-        block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb)
-    rows = block.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_ct + kv_off
-    if MASK:
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    else:
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :])
+    rows = _token_rows(tok, valid, table, kv_off, stride_cb, stride_ct, stride_bb, BLOCK_SIZE,
+                       MASK)
+    k = _load_rows(k_cache_ptr, rows, d, valid, MASK)
     s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST)
     if MASK:
         s = tl.where(valid[None, :] & (tok[None, :] <= qpos[:, None]), s, float("-inf"))
