@@ -76,3 +76,8 @@ class PendingDraw:
     keys: list[int | None]
     histories: list[tuple[list[int], list[int]]]
     masks: GrammarMasks
+    logits_ready: torch.cuda.Event | None  # None: computed already (CPU)
+
+    def computed(self) -> bool:
+        """Whether the device has computed ``logits`` (and idles until the draw)."""
+        return self.logits_ready is None or self.logits_ready.query()

@@ -3,10 +3,12 @@
 With overlapped scheduling (``EngineConfig.async_scheduling``) a step is launched before the
 previous one's tokens are read, and its rows are sampled once they are (penalties see every
 token); rows with grammars are drawn only at the start of the next step, so that their masks
-fill on the grammar thread while the host does the rest. Each sampled sequence ends in
-``PLACEHOLDER`` until the next step resolves it (so the scheduler counts the token it will
-compute), the next step's input for it is taken on the device, and a sequence that the resolved
-token finishes has computed one token more, discarded. Between steps at most one step is in
+fill on the grammar thread while the host does the rest (where the device idles until that
+draw, its tokens are read right after it, before the step is launched, and the next masks start
+filling at once). Each sampled sequence ends in ``PLACEHOLDER`` until the next step resolves it
+(so the scheduler counts the token it will compute), the next step's input for it is taken on
+the device, and a sequence that the resolved token finishes has computed one token more,
+discarded. Between steps at most one step is in
 flight, and a placeholder is only ever a sequence's last token, never in a hashed block or a pin.
 
 Not thread-safe: exactly one thread drives it (the caller of ``LLM``, or the loop of the engine
@@ -215,12 +217,20 @@ class LLMEngine:
             return outputs + self._resolve_inflight()
         feed = self._inflight.feed(batch.seqs) if self._inflight is not None else None
         host = self.runner.host_metadata(batch)  # while grammar masks may still be filling
-        if self._pending is not None:
+        resolved = masks = None
+        if self._pending is not None:  # (so the step overlaps: else it was drawn above)
+            idle = self._pending.computed()
             self._draw_pending()  # this step's input
+            if idle:
+                # the device has nothing left to do but this draw: read its tokens at once, so
+                # the next masks fill while this step is launched too
+                resolved = self._read_inflight()
+                masks = self._masks(sampled)
         logits = self.runner.execute(batch, sample_indices, feed, host)
         if overlap:
-            resolved = self._read_inflight()  # the previous step's, while this one runs
-            masks = self._masks(sampled)  # filled while the rest of the step runs
+            if resolved is None:
+                resolved = self._read_inflight()  # the previous step's, while this one runs
+                masks = self._masks(sampled)  # filled while the rest of the step runs
             outputs = self._apply_tokens(resolved)
             self._launch_draw(sampled, logits, masks)
             self._commit(batch)
@@ -254,7 +264,8 @@ class LLMEngine:
         if self._inflight is None:  # every row finished: nothing to draw
             return
         if masks is not None:
-            self._pending = PendingDraw(logits, params, keys, histories, masks)
+            self._pending = PendingDraw(logits, params, keys, histories, masks,
+                                        _recorded_event() if logits.is_cuda else None)
             return
         tokens = draw(self._shaped(logits, params, histories, None), params, keys)
         self._inflight.drawn(*self.runner.keep_sampled(tokens))
@@ -454,3 +465,10 @@ class LLMEngine:
             return {}
         return {"host_kv_blocks_total": host.num_slots, "host_cache_hits": self.kv.host_hits,
                 "host_kv_blocks_used": host.num_slots - len(host.free), **moved.counters()}
+
+
+def _recorded_event() -> torch.cuda.Event:
+    """An event recorded on the current stream (complete once the work queued so far is)."""
+    event = torch.cuda.Event()
+    event.record()
+    return event

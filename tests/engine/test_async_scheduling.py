@@ -9,9 +9,11 @@ import json
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.inflight import PLACEHOLDER
+from engine.inflight import PLACEHOLDER, PendingDraw
 from engine.structured import StructuredOutput
 
+CITY = StructuredOutput(json_schema=json.dumps(
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}))
 CHATS = ["Write a haiku about the sea.", "What is the capital of France?",
          "List three uses of copper.", "Tell me a story about a robot."]
 
@@ -45,16 +47,30 @@ def test_overlapped_outputs_equal_synchronous_for_lengths_stops_and_seeds(engine
 
 
 def test_grammars_penalties_logprobs_and_forks_sample_as_in_synchronous_steps(engines) -> None:
-    schema = {"type": "object", "properties": {"city": {"type": "string"}},
-              "required": ["city"]}
     params = [SamplingParams(temperature=0, max_tokens=12, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=30,
-                             structured=StructuredOutput(json_schema=json.dumps(schema))),
+              SamplingParams(temperature=0, max_tokens=30, structured=CITY),
               SamplingParams(temperature=0, max_tokens=12, frequency_penalty=1.5),
               SamplingParams(temperature=0.7, seed=1, max_tokens=12, n=2)]
     sync, overlapped = _run(engines[False], params), _run(engines[True], params)
     assert overlapped == sync
     assert len(sync[0][4]) == 12  # logprobs of every token
+
+
+@pytest.mark.parametrize("device_idle", [True, False], ids=["read-at-draw", "read-after-launch"])
+def test_overlapped_grammar_rows_sample_as_in_synchronous_steps(engines, monkeypatch,
+                                                                device_idle: bool) -> None:
+    """Every step overlaps (no logprobs, no forks); a grammar row's token is read as soon as it
+    is drawn (the device idles until then: always so on CPU) or after the next launch."""
+    calls = []
+    monkeypatch.setattr(PendingDraw, "computed", lambda self: calls.append(1) or device_idle)
+    params = [SamplingParams(temperature=0, max_tokens=30, structured=CITY),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=30, structured=CITY),
+              SamplingParams(temperature=0, max_tokens=20, presence_penalty=1.0),
+              SamplingParams(temperature=0, max_tokens=20)]
+    sync, overlapped = _run(engines[False], params), _run(engines[True], params)
+    assert overlapped == sync
+    assert len(calls) >= 5  # grammar rows were drawn at the next step, that many times
+    assert all(json.loads(text)["city"] for _, text, *_ in sync[:2])
 
 
 def test_an_overlapped_step_reports_the_step_before() -> None:
