@@ -8,8 +8,8 @@ draw, its tokens are read right after it, before the step is launched, and the n
 filling at once). Each sampled sequence ends in ``PLACEHOLDER`` until the next step resolves it
 (so the scheduler counts the token it will compute), the next step's input for it is taken on
 the device, and a sequence that the resolved token finishes has computed one token more,
-discarded. Between steps at most one step is in
-flight, and a placeholder is only ever a sequence's last token, never in a hashed block or a pin.
+discarded. Between steps at most one step is in flight, and a placeholder is only ever a
+sequence's last token, never in a hashed block or a pin.
 
 Not thread-safe: exactly one thread drives it (the caller of ``LLM``, or the loop of the engine
 process, ``engine.core``).
