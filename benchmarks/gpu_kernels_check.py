@@ -10,7 +10,8 @@ The fused elementwise kernels (``kernels/triton_fused.py``) are checked against 
 op-by-op torch code on the same GPU: the fraction of output elements that are not bit-identical
 (rotary and the residual add must be exact; the norm's mean and SiLU's exp may move a rare bf16
 value by a step) and the relative error. The sampler's counter-based noise
-(``kernels/triton_sampling.py``) is checked against its torch reference.
+(``kernels/triton_sampling.py``) is checked against its torch reference, and the sampler's
+draw replayed as CUDA graphs (``engine/draw_graphs.py``) against the eager sampler.
 Prints a pass/fail table; exits 1 if any case fails.
 
     PYTHONUNBUFFERED=1 python benchmarks/gpu_kernels_check.py
@@ -218,6 +219,48 @@ def noise_case() -> float:
     return ((got - want).abs() / want).max().item()
 
 
+def draw_graph_case(masked: bool) -> float:
+    """The sampler's draw replayed as CUDA graphs (``engine.draw_graphs``) against the eager
+    sampler on the same logits: greedy and temperature rows, seeded, SmolLM2's vocabulary, two
+    batch sizes, each replayed over two fresh sets of logits (and masks: random bitmasks, one
+    row without a grammar), and an all-greedy batch (its own graph). Returns the fraction of
+    tokens that differ."""
+    from concurrent.futures import Future
+
+    from engine.draw_graphs import DrawGraphs
+    from engine.sampler import draw, draw_key, shaped
+    from engine.sampling_params import SamplingParams
+    from engine.structured import GrammarCompiler, GrammarMasks
+
+    vocab, sizes = 49152, (8, 64)
+    static = {size: torch.empty(size, vocab, dtype=torch.bfloat16, device="cuda")
+              for size in sizes}
+    graphs = DrawGraphs(static)
+    grammars = GrammarCompiler(None, vocab, torch.device("cuda"))
+    done: Future[None] = Future()
+    done.set_result(None)
+    wrong = total = 0
+    for size, n, temperatures in ((8, 5, (0.0, 0.7, 1.5)), (64, 64, (0.0, 0.7, 1.5)),
+                                  (8, 8, (0.0,)), (64, 50, (1.0, 0.0))):
+        for _ in range(2):
+            static[size].normal_(0, 4)
+            params = [SamplingParams(temperature=temperatures[i % len(temperatures)])
+                      for i in range(n)]
+            keys: list[int | None] = [draw_key(11, i) for i in range(n)]
+            masks = None
+            if masked:
+                bitmask = torch.randint(-(1 << 31), 1 << 31, (n, vocab // 32),
+                                        dtype=torch.int32).pin_memory()
+                bitmask[0] = -1  # a row without a grammar
+                masks = GrammarMasks(done, bitmask, list(range(1, n)))
+            got = graphs.draw(size, params, keys, masks, grammars).clone()
+            constrain = (lambda x, m=masks: grammars.apply(m, x)) if masks is not None else None
+            want = draw(shaped(static[size][:n], params, None, (), constrain), params, keys)
+            wrong += int((got != want).sum())
+            total += n
+    return wrong / total
+
+
 def fused_cases(dtype: torch.dtype) -> dict[str, Callable[[], float]]:
     """Llama-3.1-8B shapes, 4096 tokens. Each case returns the mismatch fraction, except the
     norm and SiLU in fp32, which return the relative error (a last-bit difference of a row's
@@ -336,6 +379,8 @@ def main() -> int:
            BOUND[torch.bfloat16])
     record("bf16 d64 bs16 kv2 g4", "kernels dispatch", dispatch_case, BOUND[torch.bfloat16])
     record("fp32 256 x 128256", "sampling noise", noise_case, 4 * torch.finfo().eps)
+    record("bf16 logits, 49152 tokens", "draw graph", lambda: draw_graph_case(False), 0.0)
+    record("bf16 logits, 49152 tokens", "draw graph, masked", lambda: draw_graph_case(True), 0.0)
     fp8 = "fp8 cache, bf16 d128 bs16 kv8 g4"
     decode_lens = [(1, int(n)) for n in torch.randint(1, 4000, (48,))]
     record(fp8, "decode split-K", lambda: fp8_attention_case(decode_lens), BOUND[torch.bfloat16])

@@ -77,6 +77,7 @@ class PendingDraw:
     histories: list[tuple[list[int], list[int]]]
     masks: GrammarMasks
     logits_ready: torch.cuda.Event | None  # None: computed already (CPU)
+    graph_size: int | None  # ``logits`` are this decode graph's output (``ModelRunner``)
 
     def computed(self) -> bool:
         """Whether the device has computed ``logits`` (and idles until the draw)."""

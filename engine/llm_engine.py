@@ -31,7 +31,7 @@ from engine.loader import LoadedModel
 from engine.model_runner import build_runner, load_for_rank
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.request import Request
-from engine.sampler import draw, draw_key, sample, shaped
+from engine.sampler import draw, draw_key, plain, sample, shaped
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -263,20 +263,34 @@ class LLMEngine:
         self._inflight = InflightStep.launch(sampled)
         if self._inflight is None:  # every row finished: nothing to draw
             return
+        graph_size = self.runner.last_graph_size
         if masks is not None:
             self._pending = PendingDraw(logits, params, keys, histories, masks,
-                                        _recorded_event() if logits.is_cuda else None)
+                                        _recorded_event() if logits.is_cuda else None,
+                                        graph_size)
             return
-        tokens = draw(self._shaped(logits, params, histories, None), params, keys)
+        tokens = self._draw(logits, params, keys, histories, None, graph_size)
         self._inflight.drawn(*self.runner.keep_sampled(tokens))
 
     def _draw_pending(self) -> None:
         """Draw the in-flight step's tokens once their grammar masks are filled."""
         pending, self._pending = self._pending, None
         assert pending is not None and self._inflight is not None
-        tokens = draw(self._shaped(pending.logits, pending.params, pending.histories,
-                                   pending.masks), pending.params, pending.keys)
+        tokens = self._draw(pending.logits, pending.params, pending.keys, pending.histories,
+                            pending.masks, pending.graph_size)
         self._inflight.drawn(*self.runner.keep_sampled(tokens))
+
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams],
+              keys: list[int | None], histories: list[tuple[list[int], list[int]]],
+              masks: GrammarMasks | None, graph_size: int | None) -> torch.Tensor:
+        """The rows' tokens, left on the device: through the draw's CUDA graph where the logits
+        are a decode graph's and every row is ``plain`` (unless all are greedy and unmasked: an
+        argmax), else by the eager sampler."""
+        draws = self.runner.draws
+        if (graph_size is not None and draws is not None and all(map(plain, params))
+                and (masks is not None or not all(p.greedy for p in params))):
+            return draws.draw(graph_size, params, keys, masks, self._grammar_compiler)
+        return draw(self._shaped(logits, params, histories, masks), params, keys)
 
     def _masks(self, sampled: list[Sequence]) -> GrammarMasks | None:
         """The grammar masks of ``sampled``'s rows, being filled (None: no row has one)."""

@@ -26,6 +26,7 @@ import torch
 
 import kernels
 from engine.config import EngineConfig
+from engine.draw_graphs import DrawGraphs
 from engine.loader import LoadedModel, load_model
 from engine.model import AttentionMetadata, LlamaModel
 from engine.scheduler import ScheduledBatch
@@ -122,6 +123,10 @@ class ModelRunner:
         self._sampled_turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_sizes: list[int] = []
+        self.draws: DrawGraphs | None = None  # the sampler's draw over the decode graphs' logits
+        # the padded size of the decode graph whose logits the last step returned (every row
+        # sampled), else None
+        self.last_graph_size: int | None = None
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -302,11 +307,13 @@ class ModelRunner:
         padded = (padded_batch_size(n, self.graph_sizes)
                   if self.graphs and host["max_query_len"] == 1
                   and host["block_tables"].shape[1] <= self.max_blocks_per_seq else None)
+        self.last_graph_size = None
         if padded is not None:
             logits = self._replay(host, n, padded, feed)[:n]
             self.num_graph_steps += 1
             if sample_indices != list(range(n)):
-                logits = logits[self._to_device(np.asarray(sample_indices, dtype=np.int64))]
+                return logits[self._to_device(np.asarray(sample_indices, dtype=np.int64))]
+            self.last_graph_size = padded
             return logits
         self.num_eager_steps += 1
         block_tables = self._to_device(host["block_tables"])
@@ -403,8 +410,10 @@ class ModelRunner:
                 self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()
         self.graph_sizes = sizes
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs", len(sizes),
-                    sizes[0], max_bs, time.perf_counter() - start)
+        self.draws = DrawGraphs({size: logits for size, (_, logits) in self.graphs.items()})
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) and their draws in %.1fs",
+                    len(sizes), sizes[0], max_bs, time.perf_counter() - start)
 
     def _decode_forward(self, size: int) -> torch.Tensor:
         g = self._g

@@ -120,6 +120,33 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     return tokens
 
 
+def plain(params: SamplingParams) -> bool:
+    """Whether a row's draw needs nothing but its temperature and noise key: greedy, or
+    temperature without top-k, top-p, min-p or logits shaping (:func:`draw_plain` draws it)."""
+    return not params.shapes_logits and (params.greedy or (
+        params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0))
+
+
+def draw_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+               constrain: Callable[[torch.Tensor], None] | None = None,
+               greedy_only: bool = False) -> torch.Tensor:
+    """:func:`draw` of rows that are all :func:`plain`, as fixed-shape tensor ops without a host
+    value (so that a CUDA graph can hold them): ``temperature`` ``[rows]`` float32 (0: greedy)
+    and ``keys`` ``[rows]`` int64 (filled, see :func:`filled_keys`) are on the logits' device;
+    ``constrain`` masks a float32 copy of the logits in place (every row: a row without a
+    grammar gets an all-allowed mask); ``greedy_only``: every row is greedy (only the argmax is
+    computed). Each row's token is the one :func:`draw` gives it after the same ``constrain``."""
+    x = _float_copy(logits) if constrain is not None or logits.dtype != torch.float32 else logits
+    if constrain is not None:
+        constrain(x)
+    if greedy_only:
+        return x.argmax(dim=-1)
+    greedy = temperature == 0
+    probs = torch.softmax(x / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    race = (probs / exponential_noise(keys, x.shape[1])).argmax(dim=-1)
+    return torch.where(greedy, x.argmax(dim=-1), race)
+
+
 def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` as a tensor on ``device``, copied from pinned memory on an accelerator so
     the host does not wait for the work already queued there."""
@@ -239,6 +266,17 @@ def _top_k_top_p_threshold(
     return torch.zeros(num_rows, 1, device=probs.device).index_copy_(0, index, threshold)
 
 
+def filled_keys(keys: Sequence[int | None]) -> list[int]:
+    """``keys`` with each None (an unseeded row) replaced by a key from torch's global RNG."""
+    unseeded = [row for row, key in enumerate(keys) if key is None]
+    filled = list(keys)
+    if unseeded:
+        for row, key in zip(unseeded, torch.randint(0, 1 << 32, (len(unseeded),)).tolist(),
+                            strict=True):
+            filled[row] = key
+    return filled
+
+
 def _exponential_race(probs: torch.Tensor, keys: list[int | None]) -> torch.Tensor:
     """``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. per token: an exact draw from each row of
     the unnormalised, non-negative ``probs`` (the Gumbel-max trick in multiplicative form).
@@ -248,13 +286,7 @@ def _exponential_race(probs: torch.Tensor, keys: list[int | None]) -> torch.Tens
     unlike an inverse CDF, whose cumulative sums turn a tiny difference in the logits (another
     batch size, another kernel) into another token, the race only flips on a near-exact tie.
     A token of probability 0 is never drawn."""
-    unseeded = [row for row, key in enumerate(keys) if key is None]
-    filled = list(keys)
-    if unseeded:
-        for row, key in zip(unseeded, torch.randint(0, 1 << 32, (len(unseeded),)).tolist(),
-                            strict=True):
-            filled[row] = key
-    keys_tensor = _to(filled, torch.int64, probs.device)
+    keys_tensor = _to(filled_keys(keys), torch.int64, probs.device)
     if (probs.device.type == "cpu"
             and int(torch.count_nonzero(probs)) * SPARSE_RACE_SHARE < probs.numel()):
         # on the CPU the noise costs more than the rest of the step: draw it only for the

@@ -103,7 +103,7 @@ class GrammarCompiler:
     def masks(self, matchers: Sequence[Any | None]) -> GrammarMasks:
         """Start filling, on the grammar thread, the token masks of one logits row per matcher:
         row ``i`` is masked by ``matchers[i]`` (None, or a matcher whose last token ended its
-        grammar: left as it is). The recorded tokens are accepted first."""
+        grammar: all tokens allowed). The recorded tokens are accepted first."""
         xgr = _xgrammar()
         shape = xgr.get_bitmask_shape(len(matchers), self.vocab_size)
         self._wait()
@@ -120,6 +120,9 @@ class GrammarCompiler:
         ended = {id(m) for m, token in accepted if token in self.stop_token_ids}
         rows = [i for i, m in enumerate(matchers) if m is not None and id(m) not in ended]
         bitmask = self._bitmask[:shape[0]]
+        if len(rows) < len(matchers):
+            masked = set(rows)
+            bitmask[[i for i in range(len(matchers)) if i not in masked]] = -1  # all allowed
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the job gives it back when it ends
         self._job = self._thread.submit(self._fill, accepted, [matchers[i] for i in rows],
@@ -127,21 +130,26 @@ class GrammarCompiler:
         return GrammarMasks(self._job, bitmask, rows)
 
     def apply(self, masks: GrammarMasks, logits: torch.Tensor) -> None:
-        """Wait for ``masks``, then mask, in place, each masked row of the float32 ``logits``
-        to the tokens its grammar allows next."""
+        """Wait for ``masks``, then mask, in place, each row of the float32 ``logits`` to the
+        tokens its grammar allows next."""
+        bitmask = (torch.empty_like(masks.bitmask, device=logits.device)
+                   if logits.is_cuda and masks.rows else None)
+        self.copy_masks(masks, bitmask)
+        if masks.rows:
+            apply_bitmask(logits, masks.bitmask if bitmask is None else bitmask)
+
+    def copy_masks(self, masks: GrammarMasks, out: torch.Tensor | None) -> None:
+        """Wait for ``masks`` (their job's error is raised here), then start copying their
+        bitmask rows to ``out`` (on the logits' device; None: no copy)."""
         if masks.job is self._job:
             self._job = None
-        masks.job.result()  # its error is raised here
-        if not masks.rows:
+        masks.job.result()
+        if out is None:
             return
-        bitmask = masks.bitmask.to(logits.device, non_blocking=True)
-        if logits.is_cuda:
+        out.copy_(masks.bitmask, non_blocking=True)
+        if out.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
-        # with every row masked, no row list goes to the device (a copy per step)
-        everyone = len(masks.rows) == logits.shape[0]
-        _xgrammar().apply_token_bitmask_inplace(logits, bitmask,
-                                                indices=None if everyone else masks.rows)
 
     def _wait(self) -> None:
         """Wait for the outstanding mask job, if any (its error is raised here)."""
@@ -197,3 +205,9 @@ class GrammarMasks:
 def _batch_matcher() -> Any:
     """xgrammar's multi-threaded filler of many matchers' bitmasks (one per process)."""
     return _xgrammar().BatchGrammarMatcher()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set, in place, every float32 ``logits`` entry whose bit in ``bitmask`` (int32 rows of
+    ``GrammarMasks`` on the logits' device, one per logits row) is clear to -inf."""
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask)

@@ -1,4 +1,5 @@
-"""engine.sampler: greedy, seeded reproducibility, top-k/top-p/min-p, distribution, logprobs."""
+"""engine.sampler: greedy, seeded reproducibility, top-k/top-p/min-p, distribution, logprobs,
+and the fixed-shape draw that CUDA graphs hold."""
 
 import pytest
 import torch
@@ -6,9 +7,13 @@ import torch
 from engine.sampler import (
     _exponential_race,
     _top_k_top_p_threshold,
+    draw,
     draw_key,
+    draw_plain,
+    plain,
     sample,
     shape_logits,
+    shaped,
 )
 from engine.sampling_params import SamplingParams
 
@@ -304,3 +309,42 @@ def test_logprobs_stay_raw_under_penalties() -> None:
 def test_out_of_range_shaping_params_are_rejected(kwargs) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True], ids=["free", "grammar-masked"])
+def test_draw_plain_gives_each_row_the_token_of_draw(dtype: torch.dtype, masked: bool) -> None:
+    """Greedy and temperature rows, seeded, masked (a random half of each row's tokens, one row
+    left alone) or not: the graph-capturable draw and the eager one pick the same tokens."""
+    logits = _logits(12, 3000, seed=4).to(dtype)
+    params = [SamplingParams(temperature=(0.0, 0.6, 1.0, 1.9)[i % 4]) for i in range(12)]
+    keys = [draw_key(99, i) for i in range(12)]
+    allowed = torch.rand(12, 3000, generator=torch.Generator().manual_seed(5)) < 0.5
+    allowed[3] = True
+
+    def mask(x: torch.Tensor) -> None:
+        x.masked_fill_(~allowed, float("-inf"))
+
+    constrain = mask if masked else None
+    want = draw(shaped(logits, params, None, (), constrain), params, keys)
+    got = draw_plain(logits, torch.tensor([p.temperature for p in params]),
+                     torch.tensor(keys), constrain)
+    assert torch.equal(got, want)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    assert got[sampled].tolist() != logits.float().argmax(-1)[sampled].tolist()  # a race ran
+    if masked:
+        assert bool(allowed[torch.arange(12), got].all())
+    greedy = [SamplingParams(temperature=0.0)] * 12
+    assert torch.equal(draw_plain(logits, torch.zeros(12), torch.tensor(keys), constrain,
+                                  greedy_only=True),
+                       draw(shaped(logits, greedy, None, (), constrain), greedy, keys))
+
+
+def test_plain_rows_need_nothing_but_temperature_and_key() -> None:
+    assert plain(SamplingParams(temperature=0.0))
+    assert plain(SamplingParams(temperature=0.0, top_p=0.5))  # greedy: filters change nothing
+    assert plain(SamplingParams(temperature=0.8))
+    assert not plain(SamplingParams(temperature=0.8, top_p=0.9))
+    assert not plain(SamplingParams(temperature=0.8, top_k=40))
+    assert not plain(SamplingParams(temperature=0.8, min_p=0.1))
+    assert not plain(SamplingParams(temperature=0.0, frequency_penalty=0.5))

@@ -1,0 +1,129 @@
+"""Where a step's host time goes: the sections of ``LLMEngine.step`` timed on structured.py's
+workload, (a) under its JSON schema and (b) unconstrained with the same token counts, with the
+sampler's draw graphs (``engine/draw_graphs.py``) on and off in turn in one process.
+
+Each section is timed by wrapping the engine's method of that name (``_draw_pending``,
+``execute``, ...; ``fill(thread)`` is the grammar thread's job, ``copy:wait``/``apply:wait`` the
+engine's wait for the masks, ``capture`` a draw graph's first use), as ms per step. A profiling
+aid: the wrappers add a little time to every section.
+
+    python benchmarks/step_sections.py --device cuda --dtype bfloat16 \
+        --model dummy:smollm2-135m --tokenizer DIR --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from benchmarks.structured import SCHEMA, conversations  # noqa: E402
+
+TIMES: collections.defaultdict[str, float] = collections.defaultdict(float)
+CALLS: collections.Counter[str] = collections.Counter()
+
+
+def timed(fn: Callable, label: str) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[label] += time.perf_counter() - start
+            CALLS[label] += 1
+    return wrapper
+
+
+def waited(fn: Callable, label: str) -> Callable:
+    """``fn(self, masks, ...)``, its wait for the masks' job timed apart from the rest."""
+    def wrapper(self: Any, masks: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        masks.job.result()
+        TIMES[f"{label}:wait"] += time.perf_counter() - start
+        CALLS[f"{label}:wait"] += 1
+        return timed(fn, f"{label}:rest")(self, masks, *args)
+    return wrapper
+
+
+def instrument(engine: Any) -> None:
+    from engine.structured import GrammarCompiler
+
+    for name in ("step", "_draw_pending", "_read_inflight", "_masks", "_apply_tokens",
+                 "_launch_draw", "_commit", "_draw"):
+        setattr(engine, name, timed(getattr(engine, name), name))
+    for name in ("execute", "host_metadata", "keep_sampled"):
+        setattr(engine.runner, name, timed(getattr(engine.runner, name), name))
+    engine.scheduler.schedule = timed(engine.scheduler.schedule, "schedule")
+    if engine.runner.draws is not None:
+        engine.runner.draws.draw = timed(engine.runner.draws.draw, "graphdraw")
+        engine.runner.draws._capture = timed(engine.runner.draws._capture, "capture")
+    GrammarCompiler._fill = staticmethod(timed(GrammarCompiler._fill, "fill(thread)"))
+    GrammarCompiler.apply = waited(GrammarCompiler.apply, "apply")
+    GrammarCompiler.copy_masks = waited(GrammarCompiler.copy_masks, "copy")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.structured import StructuredOutput
+
+    llm = LLM(args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+              async_scheduling=True)
+    engine = llm.engine
+    instrument(engine)
+    convs = conversations(args.num_requests)
+    spec = StructuredOutput(json_schema=json.dumps(SCHEMA))
+
+    def params(seed: int, **kw: Any) -> SamplingParams:
+        return SamplingParams(temperature=0.7, seed=seed, **kw)
+
+    def run(label: str, plist: list[SamplingParams]) -> list:
+        TIMES.clear()
+        CALLS.clear()
+        if engine.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.chat(convs, plist)
+        wall = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        steps = CALLS["step"]
+        print(f"{label}: {tokens} tokens {wall * 1e3:.1f} ms = {tokens / wall:.0f} tok/s; "
+              f"{steps} steps, {wall / steps * 1e3:.3f} ms/step", flush=True)
+        for name in sorted(TIMES, key=lambda k: -TIMES[k]):
+            print(f"   {name:16s} {TIMES[name] / steps * 1e3:7.3f} ms/step  "
+                  f"(calls {CALLS[name]})")
+        return outs
+
+    llm.chat(convs[:2], params(0, max_tokens=8, structured=spec))  # compiles the grammar
+    graphs = engine.runner.draws
+    for _ in range(args.repeat):
+        for mode in ("graphs", "eager"):
+            engine.runner.draws = graphs if mode == "graphs" else None
+            outs = run(f"(a) schema {mode}", [params(i, max_tokens=128, structured=spec)
+                                              for i in range(len(convs))])
+            lengths = [len(o.outputs[0].token_ids) for o in outs]
+            run(f"(b) free {mode}", [params(i, max_tokens=n, ignore_eos=True)
+                                     for i, n in enumerate(lengths)])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""CUDA graphs of the sampler's draw for decode steps whose rows are all ``sampler.plain``
+(greedy, or temperature alone), with or without grammar masks: ``sampler.draw_plain`` over a
+decode graph's static logits, replayed in one launch instead of a dozen host-dispatched ops
+(a step of greedy rows without masks is one argmax: it is left to the eager sampler).
+The tokens are those of the eager draw (``tests/engine/test_sampler.py`` checks the function
+the graphs hold against ``sampler.draw``)."""
+
+import torch
+
+from engine.sampler import draw_plain, filled_keys
+from engine.sampling_params import SamplingParams
+from engine.structured import GrammarCompiler, GrammarMasks, apply_bitmask
+
+
+class DrawGraphs:
+    """One graph per decode graph batch size and kind of draw (sampled rows or greedy only,
+    masked or not), captured on first use (sampled and unmasked: for every size at once). Per
+    draw,
+    the rows' temperatures and keys go to the device in one copy from a pinned buffer (reused
+    once its last copy is done), and grammar masks (one int32 bitmask row per row, all bits
+    set where a row has no grammar) into a static device bitmask."""
+
+    def __init__(self, logits: dict[int, torch.Tensor]) -> None:
+        """``logits``: each decode graph's static logits output, by padded batch size. The
+        graphs without masks are captured here, for every size."""
+        self._logits = logits
+        max_rows = max(logits)
+        device = logits[max_rows].device
+        # row 0: temperature, row 1: noise key (< 2**32, exact in float64)
+        self._staged = torch.zeros(2, max_rows, dtype=torch.float64, pin_memory=True)
+        self._inputs = torch.zeros(2, max_rows, dtype=torch.float64, device=device)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        self._bitmask: torch.Tensor | None = None
+        self._graphs: dict[tuple[int, bool, bool],
+                           tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        for size in sorted(logits, reverse=True):  # largest first: the others reuse its pool
+            self._graphs[size, False, False] = self._capture(size, False, False)
+
+    def draw(self, size: int, params: list[SamplingParams], keys: list[int | None],
+             masks: GrammarMasks | None, grammars: GrammarCompiler | None) -> torch.Tensor:
+        """The tokens of the first ``len(params)`` rows of the size-``size`` decode graph's
+        logits (all rows ``plain``), drawn on the device without waiting for them; ``masks``
+        (from ``grammars``) are waited for, then copied."""
+        n = len(params)
+        self._copied.synchronize()
+        staged = self._staged.numpy()
+        staged[0, :n] = [p.temperature for p in params]
+        staged[1, :n] = filled_keys(keys)
+        self._inputs.copy_(self._staged, non_blocking=True)  # 4 KB at most: all of it
+        self._copied.record()
+        if masks is not None:
+            assert grammars is not None
+            if self._bitmask is None or self._bitmask.shape[1] != masks.bitmask.shape[1]:
+                self._bitmask = torch.full((self._staged.shape[1], masks.bitmask.shape[1]), -1,
+                                           dtype=masks.bitmask.dtype,
+                                           device=self._inputs.device)
+                self._graphs = {key: g for key, g in self._graphs.items() if not key[1]}
+            grammars.copy_masks(masks, self._bitmask[:n])
+        key = (size, masks is not None, all(p.greedy for p in params))
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(*key)
+        graph, tokens = self._graphs[key]
+        graph.replay()
+        return tokens[:n]
+
+    def _capture(self, size: int, masked: bool,
+                 greedy_only: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        bitmask = self._bitmask[:size] if masked and self._bitmask is not None else None
+
+        def body() -> torch.Tensor:
+            return draw_plain(self._logits[size], self._inputs[0, :size].float(),
+                              self._inputs[1, :size].long(),
+                              (lambda x: apply_bitmask(x, bitmask)) if bitmask is not None
+                              else None, greedy_only)
+
+        # one eager run on a side stream first: it compiles the Triton kernels
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            tokens = body()
+        self._pool = graph.pool()
+        return graph, tokens
