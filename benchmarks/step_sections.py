@@ -9,6 +9,8 @@ aid: the wrappers add a little time to every section.
 
     python benchmarks/step_sections.py --device cuda --dtype bfloat16 \
         --model dummy:smollm2-135m --tokenizer DIR --repeat 3
+
+On the CPU (no graphs) both modes draw eagerly. Log: ``step_sections.txt``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from benchmarks._common import DEFAULT_OUT, open_log  # noqa: E402
 from benchmarks.structured import SCHEMA, conversations  # noqa: E402
 
 TIMES: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -41,20 +44,22 @@ def timed(fn: Callable, label: str) -> Callable:
     return wrapper
 
 
-def waited(fn: Callable, label: str) -> Callable:
-    """``fn(self, masks, ...)``, its wait for the masks' job timed apart from the rest."""
-    def wrapper(self: Any, masks: Any, *args: Any) -> Any:
+def waited(method: Callable, label: str) -> Callable:
+    """The bound ``method(masks, ...)``, its wait for the masks' job timed apart from the rest."""
+    rest = timed(method, f"{label}:rest")
+
+    def wrapper(masks: Any, *args: Any) -> Any:
         start = time.perf_counter()
         masks.job.result()
         TIMES[f"{label}:wait"] += time.perf_counter() - start
         CALLS[f"{label}:wait"] += 1
-        return timed(fn, f"{label}:rest")(self, masks, *args)
+        return rest(masks, *args)
     return wrapper
 
 
 def instrument(engine: Any) -> None:
-    from engine.structured import GrammarCompiler
-
+    """Time the sections of ``engine``'s steps (wrappers on its objects, not on their
+    classes)."""
     for name in ("step", "_draw_pending", "_read_inflight", "_masks", "_apply_tokens",
                  "_launch_draw", "_commit", "_draw"):
         setattr(engine, name, timed(getattr(engine, name), name))
@@ -64,9 +69,10 @@ def instrument(engine: Any) -> None:
     if engine.runner.draws is not None:
         engine.runner.draws.draw = timed(engine.runner.draws.draw, "graphdraw")
         engine.runner.draws._capture = timed(engine.runner.draws._capture, "capture")
-    GrammarCompiler._fill = staticmethod(timed(GrammarCompiler._fill, "fill(thread)"))
-    GrammarCompiler.apply = waited(GrammarCompiler.apply, "apply")
-    GrammarCompiler.copy_masks = waited(GrammarCompiler.copy_masks, "copy")
+    grammars = engine._grammars()
+    grammars._fill = timed(grammars._fill, "fill(thread)")
+    grammars.apply = waited(grammars.apply, "apply")
+    grammars.copy_masks = waited(grammars.copy_masks, "copy")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 requests, once")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.repeat = 4, 1
+    log, _ = open_log(args.out, "step_sections", args.quick, argv)
 
     import torch
 
@@ -105,11 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         steps = CALLS["step"]
-        print(f"{label}: {tokens} tokens {wall * 1e3:.1f} ms = {tokens / wall:.0f} tok/s; "
-              f"{steps} steps, {wall / steps * 1e3:.3f} ms/step", flush=True)
+        log(f"{label}: {tokens} tokens {wall * 1e3:.1f} ms = {tokens / wall:.0f} tok/s; "
+            f"{steps} steps, {wall / steps * 1e3:.3f} ms/step")
         for name in sorted(TIMES, key=lambda k: -TIMES[k]):
-            print(f"   {name:16s} {TIMES[name] / steps * 1e3:7.3f} ms/step  "
-                  f"(calls {CALLS[name]})")
+            log(f"   {name:16s} {TIMES[name] / steps * 1e3:7.3f} ms/step  (calls {CALLS[name]})")
         return outs
 
     llm.chat(convs[:2], params(0, max_tokens=8, structured=spec))  # compiles the grammar
@@ -122,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             lengths = [len(o.outputs[0].token_ids) for o in outs]
             run(f"(b) free {mode}", [params(i, max_tokens=n, ignore_eos=True)
                                      for i, n in enumerate(lengths)])
+    log.close()
     return 0
 
 

@@ -136,6 +136,16 @@ def test_structured_quick(tmp_path, tiny_model, capsys):
     _check(tmp_path, "structured_quick", capsys, "(a) JSON schema", "vs (b)")
 
 
+def test_step_sections_quick(tmp_path, tiny_model, capsys):
+    pytest.importorskip("xgrammar")
+    assert _load("step_sections").main(["--quick", "--model", tiny_model, "--out",
+                                        str(tmp_path)]) == 0
+    text = (tmp_path / "step_sections_quick.txt").read_text()
+    assert "(b) free eager" in capsys.readouterr().out
+    for section in ("(a) schema graphs", "fill(thread)", "apply:wait", "execute", "schedule"):
+        assert section in text, section
+
+
 def test_quantization_quick(tmp_path, tiny_model, capsys):
     assert _load("quantization").main(["--quick", "--model", tiny_model, "--out",
                                        str(tmp_path)]) == 0
