@@ -66,9 +66,9 @@ def instrument(engine: Any) -> None:
     for name in ("execute", "host_metadata", "keep_sampled"):
         setattr(engine.runner, name, timed(getattr(engine.runner, name), name))
     engine.scheduler.schedule = timed(engine.scheduler.schedule, "schedule")
-    if engine.runner.draws is not None:
-        engine.runner.draws.draw = timed(engine.runner.draws.draw, "graphdraw")
-        engine.runner.draws._capture = timed(engine.runner.draws._capture, "capture")
+    if engine.draw_graphs is not None:
+        engine.draw_graphs.draw = timed(engine.draw_graphs.draw, "graphdraw")
+        engine.draw_graphs._capture = timed(engine.draw_graphs._capture, "capture")
     grammars = engine._grammars()
     grammars._fill = timed(grammars._fill, "fill(thread)")
     grammars.apply = waited(grammars.apply, "apply")
@@ -123,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         return outs
 
     llm.chat(convs[:2], params(0, max_tokens=8, structured=spec))  # compiles the grammar
-    graphs = engine.runner.draws
+    graphs = engine.draw_graphs
     for _ in range(args.repeat):
         for mode in ("graphs", "eager"):
-            engine.runner.draws = graphs if mode == "graphs" else None
+            engine.draw_graphs = graphs if mode == "graphs" else None
             outs = run(f"(a) schema {mode}", [params(i, max_tokens=128, structured=spec)
                                               for i in range(len(convs))])
             lengths = [len(o.outputs[0].token_ids) for o in outs]

@@ -15,10 +15,9 @@ from engine.structured import GrammarCompiler, GrammarMasks, apply_bitmask
 class DrawGraphs:
     """One graph per decode graph batch size and kind of draw (sampled rows or greedy only,
     masked or not), captured on first use (sampled and unmasked: for every size at once). Per
-    draw,
-    the rows' temperatures and keys go to the device in one copy from a pinned buffer (reused
-    once its last copy is done), and grammar masks (one int32 bitmask row per row, all bits
-    set where a row has no grammar) into a static device bitmask."""
+    draw, the rows' temperatures and keys go to the device in one copy from a pinned buffer
+    (reused once its last copy is done), and grammar masks (one int32 bitmask row per row, all
+    bits set where a row has no grammar) into a static device bitmask."""
 
     def __init__(self, logits: dict[int, torch.Tensor]) -> None:
         """``logits``: each decode graph's static logits output, by padded batch size. The
@@ -52,11 +51,10 @@ class DrawGraphs:
         self._copied.record()
         if masks is not None:
             assert grammars is not None
-            if self._bitmask is None or self._bitmask.shape[1] != masks.bitmask.shape[1]:
+            if self._bitmask is None:  # one width per model: ceil(vocabulary / 32)
                 self._bitmask = torch.full((self._staged.shape[1], masks.bitmask.shape[1]), -1,
                                            dtype=masks.bitmask.dtype,
                                            device=self._inputs.device)
-                self._graphs = {key: g for key, g in self._graphs.items() if not key[1]}
             grammars.copy_masks(masks, self._bitmask[:n])
         key = (size, masks is not None, all(p.greedy for p in params))
         if key not in self._graphs:
@@ -67,6 +65,7 @@ class DrawGraphs:
 
     def _capture(self, size: int, masked: bool,
                  greedy_only: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph and its static tokens output."""
         bitmask = self._bitmask[:size] if masked and self._bitmask is not None else None
 
         def body() -> torch.Tensor:

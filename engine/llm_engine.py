@@ -23,6 +23,7 @@ import torch
 from engine.chat import render_chat
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.draw_graphs import DrawGraphs
 from engine.inflight import PLACEHOLDER, InflightStep, PendingDraw
 from engine.info import EngineInfo
 from engine.kv_cache_manager import KVCacheManager
@@ -96,6 +97,10 @@ class LLMEngine:
                                  else self.runner.device.type == "cuda" and tp is None)
         self._inflight: InflightStep | None = None
         self._pending: PendingDraw | None = None  # the in-flight step's draw, if it waits
+        # overlapped steps draw through CUDA graphs where they can (``_draw``)
+        self.draw_graphs = (DrawGraphs({size: logits for size, (_, logits)
+                                        in self.runner.graphs.items()})
+                            if self.async_scheduling and self.runner.graphs else None)
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -286,7 +291,7 @@ class LLMEngine:
         """The rows' tokens, left on the device: through the draw's CUDA graph where the logits
         are a decode graph's and every row is ``plain`` (unless all are greedy and unmasked: an
         argmax), else by the eager sampler."""
-        draws = self.runner.draws
+        draws = self.draw_graphs
         if (graph_size is not None and draws is not None and all(map(plain, params))
                 and (masks is not None or not all(p.greedy for p in params))):
             return draws.draw(graph_size, params, keys, masks, self._grammar_compiler)

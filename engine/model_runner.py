@@ -26,7 +26,6 @@ import torch
 
 import kernels
 from engine.config import EngineConfig
-from engine.draw_graphs import DrawGraphs
 from engine.loader import LoadedModel, load_model
 from engine.model import AttentionMetadata, LlamaModel
 from engine.scheduler import ScheduledBatch
@@ -123,7 +122,6 @@ class ModelRunner:
         self._sampled_turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_sizes: list[int] = []
-        self.draws: DrawGraphs | None = None  # the sampler's draw over the decode graphs' logits
         # the padded size of the decode graph whose logits the last step returned (every row
         # sampled), else None
         self.last_graph_size: int | None = None
@@ -410,10 +408,8 @@ class ModelRunner:
                 self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()
         self.graph_sizes = sizes
-        self.draws = DrawGraphs({size: logits for size, (_, logits) in self.graphs.items()})
-        torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) and their draws in %.1fs",
-                    len(sizes), sizes[0], max_bs, time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs", len(sizes),
+                    sizes[0], max_bs, time.perf_counter() - start)
 
     def _decode_forward(self, size: int) -> torch.Tensor:
         g = self._g
