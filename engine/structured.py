@@ -131,7 +131,7 @@ class GrammarCompiler:
 
     def apply(self, masks: GrammarMasks, logits: torch.Tensor) -> None:
         """Wait for ``masks``, then mask, in place, each row of the float32 ``logits`` to the
-        tokens its grammar allows next."""
+        tokens its grammar allows next (a row without one is left as it is: all bits set)."""
         bitmask = (torch.empty_like(masks.bitmask, device=logits.device)
                    if logits.is_cuda and masks.rows else None)
         self.copy_masks(masks, bitmask)
