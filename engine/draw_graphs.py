@@ -43,10 +43,12 @@ class DrawGraphs:
         logits (all rows ``plain``), drawn on the device without waiting for them; ``masks``
         (from ``grammars``) are waited for, then copied."""
         n = len(params)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
         self._copied.synchronize()
         staged = self._staged.numpy()
         staged[0, :n] = [p.temperature for p in params]
-        staged[1, :n] = filled_keys(keys)
+        staged[1, :n] = 0  # a greedy row draws no key (nor does the eager sampler fill one)
+        staged[1, sampled] = filled_keys([keys[i] for i in sampled])
         self._inputs.copy_(self._staged, non_blocking=True)  # 4 KB at most: all of it
         self._copied.record()
         if masks is not None:
@@ -56,7 +58,7 @@ class DrawGraphs:
                                            dtype=masks.bitmask.dtype,
                                            device=self._inputs.device)
             grammars.copy_masks(masks, self._bitmask[:n])
-        key = (size, masks is not None, all(p.greedy for p in params))
+        key = (size, masks is not None, not sampled)
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         graph, tokens = self._graphs[key]

@@ -222,20 +222,18 @@ class LLMEngine:
             return outputs + self._resolve_inflight()
         feed = self._inflight.feed(batch.seqs) if self._inflight is not None else None
         host = self.runner.host_metadata(batch)  # while grammar masks may still be filling
-        resolved = masks = None
+        read = None
         if self._pending is not None:  # (so the step overlaps: else it was drawn above)
             idle = self._pending.computed()
             self._draw_pending()  # this step's input
             if idle:
                 # the device has nothing left to do but this draw: read its tokens at once, so
                 # the next masks fill while this step is launched too
-                resolved = self._read_inflight()
-                masks = self._masks(sampled)
+                read = self._read_and_mask(sampled)
         logits = self.runner.execute(batch, sample_indices, feed, host)
         if overlap:
-            if resolved is None:
-                resolved = self._read_inflight()  # the previous step's, while this one runs
-                masks = self._masks(sampled)  # filled while the rest of the step runs
+            # else the previous step's tokens are read while this one runs
+            resolved, masks = read if read is not None else self._read_and_mask(sampled)
             outputs = self._apply_tokens(resolved)
             self._launch_draw(sampled, logits, masks)
             self._commit(batch)
@@ -296,6 +294,14 @@ class LLMEngine:
                 and (masks is not None or not all(p.greedy for p in params))):
             return draws.draw(graph_size, params, keys, masks, self._grammar_compiler)
         return draw(self._shaped(logits, params, histories, masks), params, keys)
+
+    def _read_and_mask(self, sampled: list[Sequence]
+                       ) -> tuple[list[tuple[Sequence, int, TokenLogprob | None]],
+                                  GrammarMasks | None]:
+        """The in-flight step's tokens (:meth:`_read_inflight`), then ``sampled``'s grammar
+        masks, filled from them while the rest of the step runs (:meth:`_masks`)."""
+        resolved = self._read_inflight()
+        return resolved, self._masks(sampled)
 
     def _masks(self, sampled: list[Sequence]) -> GrammarMasks | None:
         """The grammar masks of ``sampled``'s rows, being filled (None: no row has one)."""
