@@ -4,8 +4,9 @@ sampler's draw graphs (``engine/draw_graphs.py``) on and off in turn in one proc
 
 Each section is timed by wrapping the engine's method of that name (``_draw_pending``,
 ``execute``, ...; ``fill(thread)`` is the grammar thread's job, ``copy:wait``/``apply:wait`` the
-engine's wait for the masks, ``capture`` a draw graph's first use), as ms per step. A profiling
-aid: the wrappers add a little time to every section.
+engine's wait for the masks, ``capture`` a draw graph's first use), as ms per step, and how
+many of the waits for masks took over 1 ms. A profiling aid: the wrappers add a little time to
+every section.
 
     python benchmarks/step_sections.py --device cuda --dtype bfloat16 \
         --model dummy:smollm2-135m --tokenizer DIR --repeat 3
@@ -31,6 +32,7 @@ from benchmarks.structured import SCHEMA, conversations  # noqa: E402
 
 TIMES: collections.defaultdict[str, float] = collections.defaultdict(float)
 CALLS: collections.Counter[str] = collections.Counter()
+WAITS: list[float] = []  # each wait for masks, seconds
 
 
 def timed(fn: Callable, label: str) -> Callable:
@@ -51,7 +53,8 @@ def waited(method: Callable, label: str) -> Callable:
     def wrapper(masks: Any, *args: Any) -> Any:
         start = time.perf_counter()
         masks.job.result()
-        TIMES[f"{label}:wait"] += time.perf_counter() - start
+        WAITS.append(time.perf_counter() - start)
+        TIMES[f"{label}:wait"] += WAITS[-1]
         CALLS[f"{label}:wait"] += 1
         return rest(masks, *args)
     return wrapper
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(label: str, plist: list[SamplingParams]) -> list:
         TIMES.clear()
         CALLS.clear()
+        WAITS.clear()
         if engine.runner.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -120,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{steps} steps, {wall / steps * 1e3:.3f} ms/step")
         for name in sorted(TIMES, key=lambda k: -TIMES[k]):
             log(f"   {name:16s} {TIMES[name] / steps * 1e3:7.3f} ms/step  (calls {CALLS[name]})")
+        if WAITS:
+            long = [w for w in WAITS if w > 1e-3]
+            log(f"   waits for masks over 1 ms: {len(long)} of {len(WAITS)}, "
+                f"{sum(long) * 1e3:.1f} ms in all, longest {max(WAITS) * 1e3:.2f} ms")
         return outs
 
     llm.chat(convs[:2], params(0, max_tokens=8, structured=spec))  # compiles the grammar

@@ -125,8 +125,9 @@ class GrammarCompiler:
             bitmask[[i for i in range(len(matchers)) if i not in masked]] = -1  # all allowed
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the job gives it back when it ends
-        self._job = self._thread.submit(self._fill, accepted, [matchers[i] for i in rows],
-                                        rows, bitmask, switch_interval)
+        self._job = self._thread.submit(
+            self._fill, ([m._handle for m, _ in accepted], [t for _, t in accepted]),
+            [matchers[i]._handle for i in rows], rows, bitmask, switch_interval)
         return GrammarMasks(self._job, bitmask, rows)
 
     def apply(self, masks: GrammarMasks, logits: torch.Tensor) -> None:
@@ -158,19 +159,17 @@ class GrammarCompiler:
             job.result()
 
     @staticmethod
-    def _fill(accepted: list[tuple[Any, int]], matchers: list[Any], rows: list[int],
+    def _fill(accepted: tuple[list[Any], list[int]], handles: list[Any], rows: list[int],
               bitmask: torch.Tensor, switch_interval: float) -> None:
-        """On the grammar thread: advance the matchers, then fill the bitmask rows ``rows`` of
-        ``matchers`` (across xgrammar's threads), then give the interpreter back its GIL switch
-        interval. Two calls into xgrammar whatever the batch (each hands the GIL over and back
-        to the engine's thread), never one per matcher."""
+        """On the grammar thread: advance the matchers (``accepted``: their handles and
+        tokens), then fill the bitmask rows ``rows`` of the matchers ``handles`` (across
+        xgrammar's threads), then give the interpreter back its GIL switch interval. Two calls
+        into xgrammar whatever the batch, never one per matcher."""
         try:
-            xgr = _xgrammar()
-            if accepted:
-                xgr.BatchGrammarMatcher.batch_accept_token([m for m, _ in accepted],
-                                                           [t for _, t in accepted])
+            if accepted[0]:
+                _accept_tokens(*accepted)
             if rows:
-                _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+                _fill_bitmask(handles, bitmask, rows)
         finally:
             sys.setswitchinterval(switch_interval)
 
@@ -199,6 +198,20 @@ class GrammarMasks:
     job: Future[None]
     bitmask: torch.Tensor
     rows: list[int]
+
+
+# xgrammar's batch calls, made on the grammar thread straight into its core (handles: each
+# ``GrammarMatcher``'s ``_handle``). Its public wrappers turn the accept's result into a Python
+# list element by element, and every bytecode the grammar thread runs competes for the GIL with
+# the engine's thread: at 64 rows that cost more than the accepts themselves.
+def _accept_tokens(handles: list[Any], tokens: list[int]) -> None:
+    """Advance each matcher by its token (one its grammar allowed: the result is not read)."""
+    _xgrammar().base._core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
+
+
+def _fill_bitmask(handles: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Fill ``bitmask`` row ``rows[i]`` with the allowed tokens of matcher ``handles[i]``."""
+    _batch_matcher()._handle.batch_fill_next_token_bitmask(handles, bitmask, rows, False)
 
 
 @cache

@@ -142,8 +142,18 @@ def test_step_sections_quick(tmp_path, tiny_model, capsys):
                                         str(tmp_path)]) == 0
     text = (tmp_path / "step_sections_quick.txt").read_text()
     assert "(b) free eager" in capsys.readouterr().out
-    for section in ("(a) schema graphs", "fill(thread)", "apply:wait", "execute", "schedule"):
+    for section in ("(a) schema graphs", "fill(thread)", "apply:wait", "execute", "schedule",
+                    "waits for masks over 1 ms"):
         assert section in text, section
+
+
+def test_grammar_fill_quick(tmp_path, tiny_model, capsys):
+    pytest.importorskip("xgrammar")
+    assert _load("grammar_fill").main(["--quick", "--out", str(tmp_path)]) == 0
+    _check(tmp_path, "grammar_fill_quick", capsys, "xgrammar wrappers, beside a busy thread",
+           "engine (core calls), alone")
+    raw = json.loads((tmp_path / "grammar_fill_quick.json").read_text())
+    assert len(raw["results"]) == 4 and raw["num_matchers"] == 4
 
 
 def test_quantization_quick(tmp_path, tiny_model, capsys):
