@@ -126,7 +126,7 @@ class GrammarCompiler:
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the job gives it back when it ends
         self._job = self._thread.submit(
-            self._fill, ([m._handle for m, _ in accepted], [t for _, t in accepted]),
+            self._fill, [m._handle for m, _ in accepted], [t for _, t in accepted],
             [matchers[i]._handle for i in rows], rows, bitmask, switch_interval)
         return GrammarMasks(self._job, bitmask, rows)
 
@@ -159,15 +159,15 @@ class GrammarCompiler:
             job.result()
 
     @staticmethod
-    def _fill(accepted: tuple[list[Any], list[int]], handles: list[Any], rows: list[int],
+    def _fill(accepting: list[Any], tokens: list[int], handles: list[Any], rows: list[int],
               bitmask: torch.Tensor, switch_interval: float) -> None:
-        """On the grammar thread: advance the matchers (``accepted``: their handles and
-        tokens), then fill the bitmask rows ``rows`` of the matchers ``handles`` (across
+        """On the grammar thread: advance the matchers ``accepting`` (handles) by their
+        ``tokens``, then fill the bitmask rows ``rows`` of the matchers ``handles`` (across
         xgrammar's threads), then give the interpreter back its GIL switch interval. Two calls
         into xgrammar whatever the batch, never one per matcher."""
         try:
-            if accepted[0]:
-                _accept_tokens(*accepted)
+            if accepting:
+                _accept_tokens(accepting, tokens)
             if rows:
                 _fill_bitmask(handles, bitmask, rows)
         finally:

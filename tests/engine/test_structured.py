@@ -71,9 +71,10 @@ def test_rows_without_a_grammar_are_not_masked_by_their_neighbours(llm: LLM) -> 
 
 
 def test_masks_follow_recorded_tokens_and_leave_other_rows_alone(llm: LLM) -> None:
-    """A mask is filled after the matcher took the tokens recorded for it; a row without a
-    matcher, and a row whose matcher has just taken its grammar's stop token, stay as they are;
-    the interpreter's GIL switch interval is the same after a mask job as before."""
+    """A mask is filled after the matcher took the tokens recorded for it, and is the mask that
+    matcher gives on its own; a row without a matcher, and a row whose matcher has just taken
+    its grammar's stop token, stay as they are; the interpreter's GIL switch interval is the
+    same after a mask job as before."""
     tok = llm.tokenizer
     brace = tok.encode("{", add_special_tokens=False)[0]
     pair = tok.encode("{}", add_special_tokens=False)[0]
@@ -90,3 +91,14 @@ def test_masks_follow_recorded_tokens_and_leave_other_rows_alone(llm: LLM) -> No
     assert allowed[2].sum() < logits.shape[1] / 10  # a fresh object allows few tokens
     assert allowed[1].all() and allowed[3].all()
     assert sys.getswitchinterval() == interval
+    # the constrained rows are exactly what each matcher allows on its own
+    xgr = pytest.importorskip("xgrammar")
+    for row, tokens in ((0, [brace]), (2, [])):
+        alone = grammars.matcher(spec)
+        for token in tokens:
+            assert alone.accept_token(token)
+        bitmask = xgr.allocate_token_bitmask(1, llm.engine.vocab_size)
+        alone.fill_next_token_bitmask(bitmask)
+        expected = torch.zeros(1, llm.engine.vocab_size)
+        xgr.apply_token_bitmask_inplace(expected, bitmask)
+        assert torch.equal(allowed[row], expected[0] > float("-inf"))
