@@ -39,33 +39,34 @@ def answers(tokenizer: Any, n: int) -> list[list[int]]:
     return [t[:length] for t in ids]
 
 
-def wrapper_calls() -> tuple[Callable, Callable]:
-    """accept(matchers, tokens), fill(matchers, bitmask, rows) through xgrammar's wrappers."""
+def wrapper_calls() -> tuple[Callable, Callable, Callable]:
+    """How matchers are passed (as they are), accept(matchers, tokens) and
+    fill(matchers, bitmask, rows), through xgrammar's wrappers."""
     import xgrammar as xgr
 
     batch = xgr.BatchGrammarMatcher()
-    return (xgr.BatchGrammarMatcher.batch_accept_token,
+    return (list, xgr.BatchGrammarMatcher.batch_accept_token,
             lambda ms, bitmask, rows: batch.batch_fill_next_token_bitmask(ms, bitmask, rows))
 
 
-def engine_calls() -> tuple[Callable, Callable]:
-    """The same two calls as the engine's grammar thread makes them (on matcher handles)."""
+def engine_calls() -> tuple[Callable, Callable, Callable]:
+    """The same as the engine's grammar thread makes them: on matcher handles, taken before
+    the job (on the engine's thread, in the engine)."""
     from engine import structured
 
-    return (lambda ms, tokens: structured._accept_tokens([m._handle for m in ms], tokens),
-            lambda ms, bitmask, rows: structured._fill_bitmask([m._handle for m in ms],
-                                                               bitmask, rows))
+    return (lambda ms: [m._handle for m in ms], structured._accept_tokens,
+            structured._fill_bitmask)
 
 
-def walk(grammar: Any, tokens: list[list[int]], calls: tuple[Callable, Callable],
+def walk(grammar: Any, tokens: list[list[int]], calls: tuple[Callable, Callable, Callable],
          busy: bool, bitmask: Any) -> tuple[list[float], list[float]]:
     """Each step's accept and fill time (seconds) over the answers ``tokens``."""
     import xgrammar as xgr
 
     from engine.structured import GIL_SWITCH_INTERVAL_S
 
-    accept, fill = calls
-    matchers = [xgr.GrammarMatcher(grammar) for _ in tokens]
+    passed, accept, fill = calls
+    matchers = passed([xgr.GrammarMatcher(grammar) for _ in tokens])
     rows = list(range(len(tokens)))
     accepts: list[float] = []
     fills: list[float] = []
