@@ -63,8 +63,8 @@ def waited(method: Callable, label: str) -> Callable:
 def instrument(engine: Any) -> None:
     """Time the sections of ``engine``'s steps (wrappers on its objects, not on their
     classes)."""
-    for name in ("step", "_draw_pending", "_read_inflight", "_check_draws", "_masks",
-                 "_apply_tokens", "_launch_draw", "_commit", "_draw"):
+    for name in ("step", "_draw_pending", "_read_inflight", "_masks", "_apply_tokens",
+                 "_launch_draw", "_commit", "_draw"):
         setattr(engine, name, timed(getattr(engine, name), name))
     for name in ("execute", "host_metadata", "keep_sampled"):
         setattr(engine.runner, name, timed(getattr(engine.runner, name), name))

@@ -1,15 +1,11 @@
 """Structured outputs: JSON-schema decoding against unconstrained decoding of the same requests.
 
 ``--num-requests`` chat requests (all submitted together, so the engine batches them) ask for a
-person as JSON. (a) under a JSON schema (xgrammar), as the engine runs it: each token drawn
-unmasked and checked by its grammar, and drawn again under the grammar's token bitmask where
-rejected (``engine.structured.SampleGrammar``); (a') the same requests with every draw masked
-first (the bitmask filled for every row at every step); then (b) unconstrained, each request
-forced (``ignore_eos``) to exactly the token count it had in (a), so all generate the same
-tokens per request. Prints tokens/s of each, their ratios, the share of tokens checked and
-rejected, how many outputs of (a) equal (a')'s token for token, and how many outputs of (a)
-and of a free run (c: unconstrained, the model's own stop) parse as the schema. A warm-up run
-compiles the grammar first. Results: ``structured.txt``/``.json``.
+person as JSON. (a) under a JSON schema (xgrammar: a token bitmask per row per step); then
+(b) unconstrained, each request forced (``ignore_eos``) to exactly the token count it had in
+(a), so both generate the same tokens per request. Prints tokens/s of each, their ratio, and
+how many outputs of (a) and of a free run (c: unconstrained, the model's own stop) parse as
+the schema. A warm-up run compiles the grammar first. Results: ``structured.txt``/``.json``.
 
     python benchmarks/structured.py                       # SmolLM2 on CPU, 64 requests
     python benchmarks/structured.py --device cuda --dtype bfloat16 --repeat 3 \
@@ -92,21 +88,12 @@ def main(argv: list[str] | None = None) -> int:
 
     log("warm-up (grammar compiled, kernels used) ...")
     llm.chat(convs[:2], params(max_tokens=8, structured=spec))
-    grammars = llm.engine._grammars()
-    schema_tok_s = masked_tok_s = free_tok_s = 0.0
-    checked = rejected = 0
+    schema_tok_s = free_tok_s = 0.0
     for _ in range(args.repeat):
-        constrained_params = [params(seed=i, max_tokens=args.max_tokens, structured=spec)
-                              for i in range(len(convs))]
-        llm.engine.check_grammar_draws = False
-        tok_s, masked = timed("(a') JSON schema, every draw masked first", constrained_params)
-        masked_tok_s = max(masked_tok_s, tok_s)
-        llm.engine.check_grammar_draws = True
-        before = grammars.num_checked, grammars.num_rejected
-        tok_s, constrained = timed("(a) JSON schema", constrained_params)
+        tok_s, constrained = timed("(a) JSON schema", [
+            params(seed=i, max_tokens=args.max_tokens, structured=spec)
+            for i in range(len(convs))])
         schema_tok_s = max(schema_tok_s, tok_s)
-        checked += grammars.num_checked - before[0]
-        rejected += grammars.num_rejected - before[1]
         lengths = [len(o.outputs[0].token_ids) for o in constrained]
         tok_s, _ = timed("(b) unconstrained, same token counts", [
             params(seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)])
@@ -114,30 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     _, free = timed("(c) unconstrained, own stop", [
         params(seed=i, max_tokens=args.max_tokens) for i in range(len(convs))])
     valid_a = sum(valid(o.outputs[0].text) for o in constrained)
-    valid_masked = sum(valid(o.outputs[0].text) for o in masked)
     valid_c = sum(valid(o.outputs[0].text) for o in free)
-    identical = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
-                    for a, b in zip(constrained, masked, strict=True))
-    generated = sum(lengths) * args.repeat
-    n = len(convs)
     rows = [["(a) JSON schema", f"{schema_tok_s:.1f}", f"{ratio(schema_tok_s, free_tok_s):.2f}",
-             f"{valid_a}/{n}"],
-            ["(a') JSON schema, masked first", f"{masked_tok_s:.1f}",
-             f"{ratio(masked_tok_s, free_tok_s):.2f}", f"{valid_masked}/{n}"],
+             f"{valid_a}/{len(convs)}"],
             ["(b) unconstrained, same tokens", f"{free_tok_s:.1f}", "1.00", "-"],
-            ["(c) unconstrained, own stop", "-", "-", f"{valid_c}/{n}"]]
+            ["(c) unconstrained, own stop", "-", "-", f"{valid_c}/{len(convs)}"]]
     log(table(rows, ["run", "tok/s", "vs (b)", "valid for the schema"]))
-    log(f"(a): {checked / generated:.0%} of tokens drawn unmasked and checked, "
-        f"{rejected / max(checked, 1):.1%} of those rejected and drawn again; "
-        f"outputs equal to (a')'s token for token: {identical}/{n}")
     (args.out / f"{stem}.json").write_text(json.dumps({
         "argv": sys.argv[1:] if argv is None else argv, "machine": machine_info(),
-        "schema_tok_s": schema_tok_s, "masked_first_tok_s": masked_tok_s,
-        "unconstrained_tok_s": free_tok_s, "ratio": ratio(schema_tok_s, free_tok_s),
-        "masked_first_ratio": ratio(masked_tok_s, free_tok_s), "valid_schema": valid_a,
-        "valid_masked_first": valid_masked, "valid_unconstrained": valid_c,
-        "checked_share": checked / generated, "rejected_share": rejected / max(checked, 1),
-        "identical_to_masked_first": identical, "num_requests": n}, indent=1))
+        "schema_tok_s": schema_tok_s, "unconstrained_tok_s": free_tok_s,
+        "ratio": ratio(schema_tok_s, free_tok_s), "valid_schema": valid_a,
+        "valid_unconstrained": valid_c, "num_requests": len(convs)}, indent=1))
     return 0
 
 

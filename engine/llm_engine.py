@@ -1,16 +1,15 @@
 """The engine core: requests in, one scheduled step at a time, outputs out.
 
 With overlapped scheduling (``EngineConfig.async_scheduling``) a step is launched before the
-previous one's tokens are read, and its rows are sampled once they are (penalties see every token);
-rows masked by grammars are drawn only at the start of the next step, so that their masks fill on
-the grammar thread while the host does the rest (where the device idles until that draw, its tokens
-are read right after it, before the step is launched, and the next masks start filling at once).
-Rows whose grammars check their tokens instead (``SampleGrammar``) are read before the next step is
-launched: a rejected token is drawn again, masked, first. Each sampled sequence ends in
-``PLACEHOLDER`` until the next step resolves it (so the scheduler counts the token it will compute),
-the next step's input for it is taken on the device, and a sequence that the resolved token finishes
-has computed one token more, discarded. Between steps at most one step is in flight, and a
-placeholder is only ever a sequence's last token, never in a hashed block or a pin.
+previous one's tokens are read, and its rows are sampled once they are (penalties see every
+token); rows with grammars are drawn only at the start of the next step, so that their masks
+fill on the grammar thread while the host does the rest (where the device idles until that
+draw, its tokens are read right after it, before the step is launched, and the next masks start
+filling at once). Each sampled sequence ends in ``PLACEHOLDER`` until the next step resolves it
+(so the scheduler counts the token it will compute), the next step's input for it is taken on
+the device, and a sequence that the resolved token finishes has computed one token more,
+discarded. Between steps at most one step is in flight, and a placeholder is only ever a
+sequence's last token, never in a hashed block or a pin.
 
 Not thread-safe: exactly one thread drives it (the caller of ``LLM``, or the loop of the engine
 process, ``engine.core``).
@@ -25,7 +24,7 @@ from engine.chat import render_chat
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.draw_graphs import DrawGraphs
-from engine.inflight import PLACEHOLDER, DrawInputs, InflightStep, PendingDraw
+from engine.inflight import PLACEHOLDER, InflightStep, PendingDraw
 from engine.info import EngineInfo
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer import KVTransfer
@@ -33,12 +32,12 @@ from engine.loader import LoadedModel
 from engine.model_runner import build_runner, load_for_rank
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.request import Request
-from engine.sampler import draw, draw_key, filled_keys, plain, read_tokens, shaped, untruncated
+from engine.sampler import draw, draw_key, plain, sample, shaped
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
-from engine.structured import GrammarCompiler, GrammarMasks, SampleGrammar
+from engine.structured import GrammarCompiler, GrammarMasks
 from engine.tensor_parallel import check_divisible, start_workers
 
 logger = logging.getLogger("engine")
@@ -85,9 +84,6 @@ class LLMEngine:
                                    admission_batch)
         self.eos_token_ids = self._eos_token_ids()
         self._grammar_compiler: GrammarCompiler | None = None
-        # grammars check the tokens of untruncated samples after the draw (``SampleGrammar``);
-        # off: every constrained draw is masked first (for comparison: the tokens are the same)
-        self.check_grammar_draws = True
         self.info = EngineInfo(
             model_name=self.model_name, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None,
@@ -153,9 +149,7 @@ class LLMEngine:
                                  session_id=session_id if index == 0 else None,
                                  cache_salt=cache_salt))
             if params.structured is not None:
-                seqs[-1].grammar = SampleGrammar(
-                    self._grammars().matcher(params.structured),
-                    checkable=self.check_grammar_draws and untruncated(params))
+                seqs[-1].matcher = self._grammars().matcher(params.structured)
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
             if self.tokenizer is not None else None
@@ -236,15 +230,12 @@ class LLMEngine:
                 # the device has nothing left to do but this draw: read its tokens at once, so
                 # the next masks fill while this step is launched too
                 read = self._read_and_mask(sampled)
-        if read is None and self._inflight is not None and self._inflight.checked:
-            read = self._read_and_mask(sampled)  # a checked token may be redrawn: before use
         logits = self.runner.execute(batch, sample_indices, feed, host)
         if overlap:
             # else the previous step's tokens are read while this one runs
-            resolved, masks, checked = (read if read is not None
-                                        else self._read_and_mask(sampled))
+            resolved, masks = read if read is not None else self._read_and_mask(sampled)
             outputs = self._apply_tokens(resolved)
-            self._launch_draw(sampled, logits, masks, checked)
+            self._launch_draw(sampled, logits, masks)
             self._commit(batch)
             return outputs
         self._commit(batch)
@@ -264,106 +255,60 @@ class LLMEngine:
                 and not self.requests[seq.request_id].pending_forks)
 
     def _launch_draw(self, sampled: list[Sequence], logits: torch.Tensor,
-                     masks: GrammarMasks | None, checked: list[int]) -> None:
+                     masks: GrammarMasks | None) -> None:
         """Draw ``sampled``'s tokens without waiting for them (they become the in-flight step);
         with grammar ``masks`` (being filled), the draw waits for the next step
-        (:meth:`_draw_pending`), so the masks fill while the host goes on. The ``checked``
-        rows' tokens are checked when read. A row a resolved token finished is drawn as it is
-        (its token is discarded)."""
-        inputs = self._draw_inputs(sampled, logits, checked, self.runner.last_graph_size)
-        self._inflight = InflightStep.launch(sampled, inputs, checked)
+        (:meth:`_draw_pending`), so the masks fill while the host goes on. A row a resolved
+        token finished is drawn as it is (its token is discarded)."""
+        params = [seq.params for seq in sampled]
+        keys = [self._key(seq) for seq in sampled]
+        histories = self._histories(sampled)
+        self._inflight = InflightStep.launch(sampled)
         if self._inflight is None:  # every row finished: nothing to draw
             return
+        graph_size = self.runner.last_graph_size
         if masks is not None:
-            self._pending = PendingDraw(inputs, masks,
-                                        _recorded_event() if logits.is_cuda else None)
+            self._pending = PendingDraw(logits, params, keys, histories, masks,
+                                        _recorded_event() if logits.is_cuda else None,
+                                        graph_size)
             return
-        self._inflight.drawn(*self.runner.keep_sampled(self._draw(inputs, None)))
-
-    def _draw_inputs(self, sampled: list[Sequence], logits: torch.Tensor, checked: list[int],
-                     graph_size: int | None) -> DrawInputs:
-        keys = [self._key(seq) for seq in sampled]
-        if checked:  # a redraw races the same noise: the unseeded rows' keys are drawn now
-            keys = filled_keys([0 if seq.params.greedy else key  # (greedy rows draw none)
-                                for seq, key in zip(sampled, keys, strict=True)])
-        return DrawInputs(logits, [seq.params for seq in sampled], keys,
-                          self._histories(sampled), graph_size)
+        tokens = self._draw(logits, params, keys, histories, None, graph_size)
+        self._inflight.drawn(*self.runner.keep_sampled(tokens))
 
     def _draw_pending(self) -> None:
         """Draw the in-flight step's tokens once their grammar masks are filled."""
         pending, self._pending = self._pending, None
         assert pending is not None and self._inflight is not None
-        tokens = self._draw(pending.inputs, pending.masks)
+        tokens = self._draw(pending.logits, pending.params, pending.keys, pending.histories,
+                            pending.masks, pending.graph_size)
         self._inflight.drawn(*self.runner.keep_sampled(tokens))
 
-    def _draw(self, inputs: DrawInputs, masks: GrammarMasks | None) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams],
+              keys: list[int | None], histories: list[tuple[list[int], list[int]]],
+              masks: GrammarMasks | None, graph_size: int | None) -> torch.Tensor:
         """The rows' tokens, left on the device: through the draw's CUDA graph where the logits
         are a decode graph's and every row is ``plain`` (unless all are greedy and unmasked: an
         argmax), else by the eager sampler."""
-        params = inputs.params
-        if self.draw_graphs is not None and self._graph_draws(inputs, masks is not None):
-            return self.draw_graphs.draw(inputs.graph_size, params, inputs.keys, masks,
-                                         self._grammar_compiler)
-        return draw(self._shaped(inputs.logits, params, inputs.histories, masks), params,
-                    inputs.keys)
-
-    def _graph_draws(self, inputs: DrawInputs, masked: bool) -> bool:
-        """Whether :meth:`_draw` draws ``inputs`` (``masked`` or not) through a CUDA graph."""
-        return (inputs.graph_size is not None and self.draw_graphs is not None
-                and all(map(plain, inputs.params))
-                and (masked or not all(p.greedy for p in inputs.params)))
+        draws = self.draw_graphs
+        if (graph_size is not None and draws is not None and all(map(plain, params))
+                and (masks is not None or not all(p.greedy for p in params))):
+            return draws.draw(graph_size, params, keys, masks, self._grammar_compiler)
+        return draw(self._shaped(logits, params, histories, masks), params, keys)
 
     def _read_and_mask(self, sampled: list[Sequence]
                        ) -> tuple[list[tuple[Sequence, int, TokenLogprob | None]],
-                                  GrammarMasks | None, list[int]]:
+                                  GrammarMasks | None]:
         """The in-flight step's tokens (:meth:`_read_inflight`), then ``sampled``'s grammar
-        masks, filled from them while the rest of the step runs, and the rows checked instead
-        (:meth:`_masks`)."""
+        masks, filled from them while the rest of the step runs (:meth:`_masks`)."""
         resolved = self._read_inflight()
-        return resolved, *self._masks(sampled)
+        return resolved, self._masks(sampled)
 
-    def _masks(self, sampled: list[Sequence]) -> tuple[GrammarMasks | None, list[int]]:
-        """The grammar masks of ``sampled``'s rows drawn masked, being filled (None: no row
-        is), and the rows drawn unmasked and checked after (see ``SampleGrammar``)."""
-        matchers: list[object | None] = []
-        checked: list[int] = []
-        for row, seq in enumerate(sampled):
-            grammar = None if seq.is_finished else seq.grammar
-            if grammar is not None and grammar.checks_next_draw():
-                checked.append(row)
-                grammar = None
-            matchers.append(grammar.matcher if grammar is not None else None)
+    def _masks(self, sampled: list[Sequence]) -> GrammarMasks | None:
+        """The grammar masks of ``sampled``'s rows, being filled (None: no row has one)."""
+        matchers = [None if seq.is_finished else seq.matcher for seq in sampled]
         if all(m is None for m in matchers):
-            return None, checked
-        return self._grammars().masks(matchers), checked
-
-    def _check_draws(self, inputs: DrawInputs, seqs: list[Sequence], rows: list[int],
-                     values: list[int], tokens: torch.Tensor) -> set[int]:
-        """Offer the grammars of ``seqs``' ``rows`` (drawn unmasked from ``inputs``) their
-        tokens ``values``; draw each rejected row again under its mask (from the same logits
-        and noise key) and put its token into ``values`` and ``tokens`` (the rows' tokens on
-        the device). Returns the rows whose tokens were accepted (their matchers took them)."""
-        rows = [row for row in rows if not seqs[row].is_finished]
-        grammars = self._grammars()
-        verdicts = grammars.check([seqs[row].grammar.matcher for row in rows],
-                                  [values[row] for row in rows])
-        for row, ok in zip(rows, verdicts, strict=True):
-            seqs[row].grammar.checked(ok)
-        rejected = [row for row, ok in zip(rows, verdicts, strict=True) if not ok]
-        if rejected:
-            index = torch.tensor(rejected, device=tokens.device)
-            if self._graph_draws(inputs, masked=True):  # one replay draws every row again
-                matchers: list[object | None] = [None] * len(inputs.params)
-                for row in rejected:
-                    matchers[row] = seqs[row].grammar.matcher
-                redrawn = self._draw(inputs, grammars.masks(matchers)).index_select(0, index)
-            else:  # the eager sampler draws the rejected rows alone
-                redrawn = self._draw(inputs.rows(rejected), grammars.masks(
-                    [seqs[row].grammar.matcher for row in rejected]))
-            tokens.index_copy_(0, index, redrawn)
-            for row, token in zip(rejected, redrawn.tolist(), strict=True):
-                values[row] = token
-        return {row for row, ok in zip(rows, verdicts, strict=True) if ok}
+            return None
+        return self._grammars().masks(matchers)
 
     @staticmethod
     def _histories(sampled: list[Sequence]) -> list[tuple[list[int], list[int]]]:
@@ -399,28 +344,21 @@ class LLMEngine:
         return self._apply_tokens(self._read_inflight())
 
     def _read_inflight(self) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """Wait for the in-flight step's tokens (drawn first if their masks were pending),
-        check the checked rows' ones (:meth:`_check_draws`) and record the other grammars'
-        ones (see ``GrammarCompiler.accept``)."""
+        """Wait for the in-flight step's tokens (drawn first if their masks were pending) and
+        record the grammars' ones (see ``GrammarCompiler.accept``)."""
         if self._pending is not None:
             self._draw_pending()
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return []
-        values = inflight.values()
-        accepted = (self._check_draws(inflight.inputs, inflight.seqs, inflight.checked, values,
-                                      self.runner.sampled[:len(values)])
-                    if inflight.checked else set())
-        resolved = inflight.resolve(values)
-        self._record_grammar_tokens([(seq, token) for row, seq, token in resolved
-                                     if row not in accepted])
-        return [(seq, token, None) for _, seq, token in resolved]
+        tokens = [(seq, token, None) for seq, token in inflight.tokens()]
+        self._record_grammar_tokens(tokens)
+        return tokens
 
-    def _record_grammar_tokens(self, tokens: list[tuple[Sequence, int]]) -> None:
-        """Record the tokens of the rows drawn under their grammar masks for their matchers
-        (see ``GrammarCompiler.accept``)."""
-        constrained = [(seq.grammar.matcher, token) for seq, token in tokens
-                       if seq.grammar is not None]
+    def _record_grammar_tokens(self, tokens: list[tuple[Sequence, int, TokenLogprob | None]]
+                               ) -> None:
+        """Record the constrained rows' tokens for their matchers (see ``GrammarCompiler``)."""
+        constrained = [(seq.matcher, token) for seq, token, _ in tokens if seq.matcher is not None]
         if constrained:
             self._grammars().accept([m for m, _ in constrained], [t for _, t in constrained])
 
@@ -455,16 +393,14 @@ class LLMEngine:
                 request.pending_forks = []
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        masks, checked = self._masks(sampled)
-        inputs = self._draw_inputs(sampled, logits, checked, None)
-        drawn = self._draw(inputs, masks)
-        accepted = (self._check_draws(inputs, sampled, checked, drawn.tolist(), drawn)
-                    if checked else set())
-        token_ids, logprobs = read_tokens(logits, drawn, inputs.params)
-        self._record_grammar_tokens([(seq, token) for row, (seq, token)
-                                     in enumerate(zip(sampled, token_ids, strict=True))
-                                     if row not in accepted])
-        return self._apply_tokens(list(zip(sampled, token_ids, logprobs, strict=True)))
+        params = [s.params for s in sampled]
+        token_ids, logprobs = sample(
+            logits, params, [self._key(s) for s in sampled],
+            choose_from=self._shaped(logits, params, self._histories(sampled),
+                                     self._masks(sampled)))
+        tokens = list(zip(sampled, token_ids, logprobs, strict=True))
+        self._record_grammar_tokens(tokens)
+        return self._apply_tokens(tokens)
 
     def _apply_tokens(self, tokens: list[tuple[Sequence, int, TokenLogprob | None]]
                       ) -> list[RequestOutput]:
@@ -508,7 +444,7 @@ class LLMEngine:
                 seq.finish_reason = "length"
             elif seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
-            elif seq.grammar is not None and token_id in self._grammars().stop_token_ids:
+            elif seq.matcher is not None and token_id in self._grammars().stop_token_ids:
                 seq.finish_reason = "stop"  # the grammar is complete
         if seq.finish_reason is not None:
             if detok is not None and detok.stop_reason is None:

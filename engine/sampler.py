@@ -67,7 +67,7 @@ def sample(
         raise ValueError(f"{num_rows} logits rows but {len(params)} params and {len(keys)} keys")
     if choose_from is None:
         choose_from = shaped(logits, params, histories, eos_token_ids, constrain)
-    return read_tokens(logits, draw(choose_from, params, keys), params)
+    return _with_logprobs(logits, draw(choose_from, params, keys), params)
 
 
 def shaped(
@@ -120,17 +120,11 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     return tokens
 
 
-def untruncated(params: SamplingParams) -> bool:
-    """Whether a row draws from all tokens: greedy, or temperature without top-k, top-p or
-    min-p. Its token is then the argmax of its (shaped) logits or of its race, so masking
-    tokens out before the draw changes it only where the unmasked draw picks one of them."""
-    return params.greedy or (params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0)
-
-
 def plain(params: SamplingParams) -> bool:
-    """Whether a row's draw needs nothing but its temperature and noise key: untruncated,
-    without logits shaping (:func:`draw_plain` draws it)."""
-    return not params.shapes_logits and untruncated(params)
+    """Whether a row's draw needs nothing but its temperature and noise key: greedy, or
+    temperature without top-k, top-p, min-p or logits shaping (:func:`draw_plain` draws it)."""
+    return not params.shapes_logits and (params.greedy or (
+        params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0))
 
 
 def draw_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
@@ -305,11 +299,10 @@ def _exponential_race(probs: torch.Tensor, keys: list[int | None]) -> torch.Tens
     return (probs / exponential_noise(keys_tensor, probs.shape[1])).argmax(dim=-1)
 
 
-def read_tokens(
+def _with_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """The rows' ``tokens`` (drawn from ``logits``) and, where asked for, their logprobs
-    (of the raw ``logits``), moved to the host in one transfer."""
+    """Move the tokens (and the requested logprobs) to the host in one transfer."""
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     parts = [tokens.double()]
     top = max((params[i].logprobs or 0 for i in wanted), default=0)

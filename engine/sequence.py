@@ -2,10 +2,10 @@
 
 import itertools
 from enum import Enum, auto
+from typing import Any
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.structured import SampleGrammar
 
 _seq_ids = itertools.count()
 
@@ -38,7 +38,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.seed = seed  # the request's seed + index, or None
-        self.grammar: SampleGrammar | None = None  # when the output is constrained
+        self.matcher: Any = None  # xgrammar's GrammarMatcher when the output is constrained
         self.session_id = session_id
         self.cache_salt = cache_salt
         self.status = SequenceStatus.WAITING

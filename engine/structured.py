@@ -5,11 +5,9 @@ Each step, the rows that have one get a token bitmask (``fill_next_token_bitmask
 the logits they choose from, so only tokens that keep the output a valid prefix of the grammar
 can be drawn; the chosen token is then accepted by the matcher, and a grammar's stop token
 (allowed only once the grammar is complete) finishes its sample (``stop``). Masks are filled on
-a thread of their own while the engine's Python work goes on. A sample whose token would be
-the same with the mask applied before or after its draw is drawn first and checked after, and
-masked only when its grammar rejects the token (see ``SampleGrammar``). Compiled grammars are
-cached by their specification. xgrammar is imported on first use, so the engine runs without
-it until a request asks for structured output.
+a thread of their own while the engine's Python work goes on. Compiled grammars are cached by
+their specification. xgrammar is imported on first use, so the engine runs without it until a
+request asks for structured output.
 """
 
 from __future__ import annotations
@@ -25,9 +23,6 @@ from typing import Any
 import torch
 
 MAX_WHITESPACE = 16  # whitespace characters allowed between two JSON tokens
-# a sample whose checked draws its grammar rejected this many times in a row is masked before
-# every draw from then on
-MAX_REJECTIONS_IN_A_ROW = 4
 # While masks are being filled, the interpreter hands the GIL to a waiting thread after this
 # long (Python's default, 5 ms, is longer than a step: the grammar thread would start only when
 # the engine's thread waits for it, and nothing would overlap)
@@ -52,48 +47,6 @@ class StructuredOutput:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from None
 
 
-class SampleGrammar:
-    """One sample's grammar: its xgrammar ``matcher``, and whether its next token is masked
-    before the draw or checked after it.
-
-    A *checkable* sample (greedy, or temperature without top-k, top-p or min-p: see
-    ``sampler.untruncated``) draws the same token from the same logits and noise key whether
-    the mask is applied first or not, whenever the unmasked draw lands on an allowed token (the
-    draw is an argmax over the allowed tokens either way). So it is drawn without a mask, its
-    token is offered to the matcher, and only a token the grammar rejects is drawn again, masked
-    (llama.cpp's sampler does the same). A model that mostly writes what the grammar allows
-    thus needs a mask for few of its tokens. After a rejection the sample's next 1, 2, 4, ...
-    draws are masked first; after ``MAX_REJECTIONS_IN_A_ROW`` rejections in a row, all of
-    them."""
-
-    def __init__(self, matcher: Any, checkable: bool) -> None:
-        self.matcher = matcher
-        self._checkable = checkable
-        self._masked_left = 0  # draws to mask first before the next check
-        self._rejections = 0  # checks rejected in a row
-
-    def checks_next_draw(self) -> bool:
-        """Whether the next draw goes unmasked and is checked (else it is masked first, and
-        counted off the masked stretch). Called once per draw."""
-        if not self._checkable:
-            return False
-        if self._masked_left:
-            self._masked_left -= 1
-            return False
-        return True
-
-    def checked(self, accepted: bool) -> None:
-        """Record a check's outcome (see the class docstring)."""
-        if accepted:
-            self._rejections = 0
-            return
-        self._rejections += 1
-        if self._rejections >= MAX_REJECTIONS_IN_A_ROW:
-            self._checkable = False
-        else:
-            self._masked_left = 1 << (self._rejections - 1)
-
-
 def _xgrammar() -> Any:
     try:
         import xgrammar
@@ -108,10 +61,9 @@ class GrammarCompiler:
     token masks on a thread of their own (:meth:`masks`), so that a step's Python work runs
     while they are filled (xgrammar releases the GIL).
 
-    A mask job touches matchers on that thread: :meth:`accept` only records each matcher's
+    Matchers are touched by that thread alone: :meth:`accept` only records each matcher's
     token, and the next :meth:`masks` advances the matchers by them before it fills any mask.
-    One mask job is outstanding at a time (the next waits for it); :meth:`check` waits for it
-    and advances the matchers on the calling thread."""
+    One mask job is outstanding at a time (the next waits for it)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device) -> None:
         """``device``: where the logits are (the bitmask is pinned for a GPU)."""
@@ -120,10 +72,7 @@ class GrammarCompiler:
         self._pin = device.type == "cuda"
         self._compiler: Any = None
         self._info: Any = None
-        self._accepted: list[tuple[Any, int]] = []  # recorded, not yet taken by the matchers
-        self._ended: set[int] = set()  # ids of matchers given a stop token since the last job
-        self.num_checked = 0  # tokens offered to :meth:`check`
-        self.num_rejected = 0  # of those, rejected
+        self._accepted: list[tuple[Any, int]] = []
         self._job: Future[None] | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         # the bitmask rows, reused from step to step (pinned where a GPU reads them: a fresh
@@ -147,27 +96,9 @@ class GrammarCompiler:
             raise ValueError(f"json_schema cannot be compiled: {e}") from None
 
     def accept(self, matchers: Sequence[Any], tokens: Sequence[int]) -> None:
-        """Record that each matcher's output went on with its token (one its grammar allowed:
-        drawn under its mask); the matchers advance before their next masks are filled."""
+        """Record that each matcher's output went on with its token (a sampled token is always
+        one its grammar allowed); the matchers advance before their next masks are filled."""
         self._accepted += zip(matchers, tokens, strict=True)
-        self._ended.update(id(m) for m, t in zip(matchers, tokens, strict=True)
-                           if t in self.stop_token_ids)
-
-    def check(self, matchers: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
-        """Offer each matcher its token (drawn without its mask), on the calling thread: a
-        token its grammar allows is accepted, a rejected one leaves the matcher as it was.
-        Returns which were accepted. The recorded tokens are accepted first."""
-        self._wait()
-        if self._accepted:
-            accepted, self._accepted = self._accepted, []
-            _accept_tokens([m._handle for m, _ in accepted], [t for _, t in accepted])
-        verdicts = [bool(ok) for ok in _check_tokens([m._handle for m in matchers],
-                                                      list(tokens))]
-        self._ended.update(id(m) for m, t, ok in zip(matchers, tokens, verdicts, strict=True)
-                           if ok and t in self.stop_token_ids)
-        self.num_checked += len(verdicts)
-        self.num_rejected += verdicts.count(False)
-        return verdicts
 
     def masks(self, matchers: Sequence[Any | None]) -> GrammarMasks:
         """Start filling, on the grammar thread, the token masks of one logits row per matcher:
@@ -186,7 +117,7 @@ class GrammarCompiler:
             # tokens of the step that last applied masks are read)
             self._copied.synchronize()
         accepted, self._accepted = self._accepted, []
-        ended, self._ended = self._ended, set()
+        ended = {id(m) for m, token in accepted if token in self.stop_token_ids}
         rows = [i for i, m in enumerate(matchers) if m is not None and id(m) not in ended]
         bitmask = self._bitmask[:shape[0]]
         if len(rows) < len(matchers):
@@ -275,13 +206,7 @@ class GrammarMasks:
 # the engine's thread: at 64 rows that cost more than the accepts themselves.
 def _accept_tokens(handles: list[Any], tokens: list[int]) -> None:
     """Advance each matcher by its token (one its grammar allowed: the result is not read)."""
-    _check_tokens(handles, tokens)
-
-
-def _check_tokens(handles: list[Any], tokens: list[int]) -> Sequence[int]:
-    """Advance each matcher by its token where its grammar allows it (a rejected token leaves
-    the matcher as it was); 1 where it did, else 0."""
-    return _xgrammar().base._core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
+    _xgrammar().base._core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
 
 
 def _fill_bitmask(handles: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:

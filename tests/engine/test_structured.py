@@ -1,6 +1,5 @@
 """Grammar-constrained decoding (xgrammar) in the engine: every sample is valid JSON for its
-schema, with n > 1, seeds, and under preemption by recompute; tokens drawn unmasked and checked
-by the grammar are those that masked draws give."""
+schema, with n > 1, seeds, and under preemption by recompute."""
 
 import json
 import sys
@@ -9,12 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.structured import (
-    MAX_REJECTIONS_IN_A_ROW,
-    GrammarCompiler,
-    SampleGrammar,
-    StructuredOutput,
-)
+from engine.structured import GrammarCompiler, StructuredOutput
 
 pytest.importorskip("xgrammar")
 
@@ -109,62 +103,3 @@ def test_masks_follow_recorded_tokens_and_leave_other_rows_alone(llm: LLM) -> No
         expected = torch.zeros(1, llm.engine.vocab_size)
         xgr.apply_token_bitmask_inplace(expected, bitmask)
         assert torch.equal(allowed[row], expected[0] > float("-inf"))
-
-
-@pytest.mark.parametrize("overlapped", [False, True], ids=["synchronous", "overlapped"])
-def test_checked_draws_give_the_tokens_of_masked_draws(overlapped: bool) -> None:
-    """Greedy, seeded and unseeded temperature rows: drawn unmasked and checked by their
-    grammars (a rejected token drawn again under the mask, from the same noise), the tokens
-    are those of draws masked first; the checks both accepted and rejected tokens, and every
-    output is valid."""
-    llm = LLM("smollm2", max_model_len=1024, num_kv_blocks=256, async_scheduling=overlapped)
-    spec = StructuredOutput(json_schema=json.dumps(SCHEMA))
-    params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.8,
-                             seed=i if i % 3 == 1 else None, max_tokens=120, structured=spec)
-              for i in range(9)]
-    tokens = {}
-    for checks in (False, True):
-        llm.engine.check_grammar_draws = checks
-        torch.manual_seed(0)  # the unseeded rows' noise keys
-        outs = llm.chat(PROMPTS * 2 + PROMPTS[:1], params)
-        check(outs)
-        tokens[checks] = [o.outputs[0].token_ids for o in outs]
-        assert llm.engine.kv.pool.num_used == 0
-    assert tokens[True] == tokens[False]
-    grammars = llm.engine._grammars()
-    assert 0 < grammars.num_rejected < grammars.num_checked
-
-
-def test_truncated_samples_are_masked_before_every_draw(llm: LLM) -> None:
-    """With top-p, masking first changes which tokens the draw keeps, so no token is checked
-    after its draw; the output is still valid."""
-    grammars = llm.engine._grammars()
-    before = grammars.num_checked
-    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=120,
-                            structured=StructuredOutput(json_schema=json.dumps(SCHEMA)))
-    check(llm.chat(PROMPTS[:2], params))
-    assert grammars.num_checked == before
-
-
-def test_rejected_checks_mask_the_next_draws_first_for_longer_and_then_for_good() -> None:
-    assert MAX_REJECTIONS_IN_A_ROW == 4
-    grammar = SampleGrammar(matcher=None, checkable=True)
-
-    def masked_stretch() -> int:
-        n = 0
-        while not grammar.checks_next_draw():
-            n += 1
-        return n
-
-    assert masked_stretch() == 0
-    grammar.checked(False)
-    assert masked_stretch() == 1
-    grammar.checked(True)  # an accepted check starts over
-    grammar.checked(False)
-    assert masked_stretch() == 1
-    for stretch in (2, 4):
-        grammar.checked(False)
-        assert masked_stretch() == stretch
-    grammar.checked(False)  # the fourth in a row
-    assert not any(grammar.checks_next_draw() for _ in range(1000))
-    assert not SampleGrammar(matcher=None, checkable=False).checks_next_draw()
