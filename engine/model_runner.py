@@ -19,6 +19,7 @@ FP8 maximum. Larger values saturate rather than overflow.
 
 import logging
 import math
+import os
 import time
 
 import numpy as np
@@ -92,6 +93,19 @@ def build_runner(config: EngineConfig, tp: TensorParallel | None = None,
     return ModelRunner(model, config, max_model_len, tp)
 
 
+def one_host_thread() -> None:
+    """Run torch's host-side ops on one thread, unless ``OMP_NUM_THREADS`` says otherwise (as
+    vLLM's GPU workers do). A GPU engine's host tensors are a few rows of metadata, and torch's
+    pool of intra-op threads, which spin for a while after every parallel op, takes the cores
+    that the grammar thread's xgrammar workers fill masks on: on the H200's 16-core host, with
+    16 torch threads, a few mask fills a run stalled for 3-6 ms (``docs/benchmarks.md`` section
+    6)."""
+    if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() != 1:
+        logger.info("torch host threads: %d -> 1 (a GPU engine; set OMP_NUM_THREADS to choose)",
+                    torch.get_num_threads())
+        torch.set_num_threads(1)
+
+
 class ModelRunner:
     """``tp``: this process's rank of a tensor-parallel group (rank 0 runs the engine and
     sends each step's inputs to the others, which run :meth:`run_step` on them)."""
@@ -129,6 +143,8 @@ class ModelRunner:
         self.num_eager_steps = 0
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs(graph_batch_sizes(config.max_num_seqs))
+        if self.device.type == "cuda":
+            one_host_thread()
 
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         m = self.model

@@ -1,9 +1,16 @@
-"""CPU-runnable checks of the model runner's CUDA-graph helpers and host-side metadata."""
+"""CPU-runnable checks of the model runner's CUDA-graph helpers, host-side metadata and host
+threads."""
 
 import numpy as np
 import pytest
+import torch
 
-from engine.model_runner import ModelRunner, graph_batch_sizes, padded_batch_size
+from engine.model_runner import (
+    ModelRunner,
+    graph_batch_sizes,
+    one_host_thread,
+    padded_batch_size,
+)
 from engine.scheduler import ScheduledBatch
 
 
@@ -96,3 +103,18 @@ def test_fused_forward_matches_unfused_and_shares_weights():
     b = fused.forward(ids[:1], torch.tensor([n]), meta, cache_b)
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cache_b, cache_a, rtol=1e-4, atol=1e-4)
+
+
+def test_a_gpu_engine_runs_torch_host_ops_on_one_thread_unless_omp_num_threads_is_set(
+        monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        one_host_thread()
+        assert torch.get_num_threads() == 2  # the user's choice stands
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        one_host_thread()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
