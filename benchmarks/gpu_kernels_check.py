@@ -219,12 +219,16 @@ def noise_case() -> float:
     return ((got - want).abs() / want).max().item()
 
 
-def draw_graph_case(masked: bool) -> float:
+def draw_graph_case(masks_kind: str) -> float:
     """The sampler's draw replayed as CUDA graphs (``engine.draw_graphs``) against the eager
     sampler on the same logits: greedy and temperature rows, seeded, SmolLM2's vocabulary, two
     batch sizes, each replayed over two fresh sets of logits (and masks: random bitmasks, one
-    row without a grammar), and an all-greedy batch (its own graph). Returns the fraction of
-    tokens that differ."""
+    row without a grammar), and an all-greedy batch (its own graph). ``masks_kind``: "none",
+    "ready" (filled before the draw), or "late": the draw is queued while the bitmask is still
+    all clear, and a thread fills it 20 ms later and then raises the grammar's host counter, so
+    the device must wait for it (``engine.stream_wait``). Returns the fraction of tokens that
+    differ."""
+    import threading
     from concurrent.futures import Future
 
     from engine.draw_graphs import DrawGraphs
@@ -237,6 +241,9 @@ def draw_graph_case(masked: bool) -> float:
               for size in sizes}
     graphs = DrawGraphs(static)
     grammars = GrammarCompiler(None, vocab, torch.device("cuda"))
+    counter = grammars._counter
+    assert counter is not None, "no stream waits on host memory"
+    number = 0
     done: Future[None] = Future()
     done.set_result(None)
     wrong = total = 0
@@ -247,14 +254,30 @@ def draw_graph_case(masked: bool) -> float:
             params = [SamplingParams(temperature=temperatures[i % len(temperatures)])
                       for i in range(n)]
             keys: list[int | None] = [draw_key(11, i) for i in range(n)]
-            masks = None
-            if masked:
-                bitmask = torch.randint(-(1 << 31), 1 << 31, (n, vocab // 32),
-                                        dtype=torch.int32).pin_memory()
-                bitmask[0] = -1  # a row without a grammar
-                masks = GrammarMasks(done, bitmask, list(range(1, n)))
+            masks = reference = None
+            if masks_kind != "none":
+                filled = torch.randint(-(1 << 31), 1 << 31, (n, vocab // 32),
+                                       dtype=torch.int32)
+                filled[0] = -1  # a row without a grammar
+                bitmask = torch.zeros_like(filled).pin_memory()
+                number += 1
+                job: Future[None] = Future()
+
+                def fill(bitmask=bitmask, filled=filled, number=number, job=job) -> None:
+                    bitmask.copy_(filled)
+                    counter.raise_to(number)
+                    job.set_result(None)
+
+                masks = GrammarMasks(job, number, bitmask, list(range(1, n)))
+                # the eager draw's masks: filled already (the counter is past job 0)
+                reference = GrammarMasks(done, 0, filled.pin_memory(), masks.rows)
+                if masks_kind == "ready":
+                    fill()
+                else:
+                    threading.Timer(0.02, fill).start()
             got = graphs.draw(size, params, keys, masks, grammars).clone()
-            constrain = (lambda x, m=masks: grammars.apply(m, x)) if masks is not None else None
+            constrain = ((lambda x, m=reference: grammars.apply(m, x)) if reference is not None
+                         else None)
             want = draw(shaped(static[size][:n], params, None, (), constrain), params, keys)
             wrong += int((got != want).sum())
             total += n
@@ -379,8 +402,11 @@ def main() -> int:
            BOUND[torch.bfloat16])
     record("bf16 d64 bs16 kv2 g4", "kernels dispatch", dispatch_case, BOUND[torch.bfloat16])
     record("fp32 256 x 128256", "sampling noise", noise_case, 4 * torch.finfo().eps)
-    record("bf16 logits, 49152 tokens", "draw graph", lambda: draw_graph_case(False), 0.0)
-    record("bf16 logits, 49152 tokens", "draw graph, masked", lambda: draw_graph_case(True), 0.0)
+    record("bf16 logits, 49152 tokens", "draw graph", lambda: draw_graph_case("none"), 0.0)
+    record("bf16 logits, 49152 tokens", "draw graph, masked",
+           lambda: draw_graph_case("ready"), 0.0)
+    record("bf16 logits, 49152 tokens", "draw graph, masks filled late",
+           lambda: draw_graph_case("late"), 0.0)
     fp8 = "fp8 cache, bf16 d128 bs16 kv8 g4"
     decode_lens = [(1, int(n)) for n in torch.randint(1, 4000, (48,))]
     record(fp8, "decode split-K", lambda: fp8_attention_case(decode_lens), BOUND[torch.bfloat16])

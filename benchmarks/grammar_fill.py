@@ -50,8 +50,8 @@ def wrapper_calls() -> tuple[Callable, Callable, Callable]:
 
 
 def engine_calls() -> tuple[Callable, Callable, Callable]:
-    """The same as the engine's grammar thread makes them: on matcher handles, taken before
-    the job (on the engine's thread, in the engine)."""
+    """The same as the engine's grammar thread makes them: on xgrammar's core matchers (the
+    engine's matchers are those from the start)."""
     from engine import structured
 
     return (lambda ms: [m._handle for m in ms], structured._accept_tokens,

@@ -2,11 +2,12 @@
 workload, (a) under its JSON schema and (b) unconstrained with the same token counts, with the
 sampler's draw graphs (``engine/draw_graphs.py``) on and off in turn in one process.
 
-Each section is timed by wrapping the engine's method of that name (``_draw_pending``,
-``execute``, ...; ``fill(thread)`` is the grammar thread's job, ``copy:wait``/``apply:wait`` the
-engine's wait for the masks, ``capture`` a draw graph's first use), as ms per step, and how
-many of the waits for masks took over 1 ms. A profiling aid: the wrappers add a little time to
-every section.
+Each section is timed by wrapping the engine's method of that name (``_read_inflight``,
+``execute``, ...; ``fill(thread)`` is the grammar thread's job, ``to_device`` queueing the
+masks' copy behind the device's wait for them, ``capture`` a draw graph's first use), as ms
+per step, and how many reads of a step's tokens took over 1 ms (a read waits for the draw,
+which waits for its masks). A profiling aid: the wrappers add a little time to every
+section.
 
     python benchmarks/step_sections.py --device cuda --dtype bfloat16 \
         --model dummy:smollm2-135m --tokenizer DIR --repeat 3
@@ -32,40 +33,30 @@ from benchmarks.structured import SCHEMA, conversations  # noqa: E402
 
 TIMES: collections.defaultdict[str, float] = collections.defaultdict(float)
 CALLS: collections.Counter[str] = collections.Counter()
-WAITS: list[float] = []  # each wait for masks, seconds
+READS: list[float] = []  # each read of a step's tokens, seconds
 
 
-def timed(fn: Callable, label: str) -> Callable:
+def timed(fn: Callable, label: str, durations: list[float] | None = None) -> Callable:
+    """``fn``, its time added to ``label``'s section (and each call's to ``durations``)."""
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            TIMES[label] += time.perf_counter() - start
+            took = time.perf_counter() - start
+            TIMES[label] += took
             CALLS[label] += 1
-    return wrapper
-
-
-def waited(method: Callable, label: str) -> Callable:
-    """The bound ``method(masks, ...)``, its wait for the masks' job timed apart from the rest."""
-    rest = timed(method, f"{label}:rest")
-
-    def wrapper(masks: Any, *args: Any) -> Any:
-        start = time.perf_counter()
-        masks.job.result()
-        WAITS.append(time.perf_counter() - start)
-        TIMES[f"{label}:wait"] += WAITS[-1]
-        CALLS[f"{label}:wait"] += 1
-        return rest(masks, *args)
+            if durations is not None:
+                durations.append(took)
     return wrapper
 
 
 def instrument(engine: Any) -> None:
     """Time the sections of ``engine``'s steps (wrappers on its objects, not on their
     classes)."""
-    for name in ("step", "_draw_pending", "_read_inflight", "_masks", "_apply_tokens",
-                 "_launch_draw", "_commit", "_draw"):
+    for name in ("step", "_masks", "_apply_tokens", "_launch_draw", "_commit", "_draw"):
         setattr(engine, name, timed(getattr(engine, name), name))
+    engine._read_inflight = timed(engine._read_inflight, "_read_inflight", READS)
     for name in ("execute", "host_metadata", "keep_sampled"):
         setattr(engine.runner, name, timed(getattr(engine.runner, name), name))
     engine.scheduler.schedule = timed(engine.scheduler.schedule, "schedule")
@@ -74,8 +65,7 @@ def instrument(engine: Any) -> None:
         engine.draw_graphs._capture = timed(engine.draw_graphs._capture, "capture")
     grammars = engine._grammars()
     grammars._fill = timed(grammars._fill, "fill(thread)")
-    grammars.apply = waited(grammars.apply, "apply")
-    grammars.copy_masks = waited(grammars.copy_masks, "copy")
+    grammars.to_device = timed(grammars.to_device, "to_device")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(label: str, plist: list[SamplingParams]) -> list:
         TIMES.clear()
         CALLS.clear()
-        WAITS.clear()
+        READS.clear()
         if engine.runner.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -124,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{steps} steps, {wall / steps * 1e3:.3f} ms/step")
         for name in sorted(TIMES, key=lambda k: -TIMES[k]):
             log(f"   {name:16s} {TIMES[name] / steps * 1e3:7.3f} ms/step  (calls {CALLS[name]})")
-        if WAITS:
-            long = [w for w in WAITS if w > 1e-3]
-            log(f"   waits for masks over 1 ms: {len(long)} of {len(WAITS)}, "
-                f"{sum(long) * 1e3:.1f} ms in all, longest {max(WAITS) * 1e3:.2f} ms")
+        if READS:
+            long = [w for w in READS if w > 1e-3]
+            log(f"   reads of tokens over 1 ms: {len(long)} of {len(READS)}, "
+                f"{sum(long) * 1e3:.1f} ms in all, longest {max(READS) * 1e3:.2f} ms")
         return outs
 
     llm.chat(convs[:2], params(0, max_tokens=8, structured=spec))  # compiles the grammar

@@ -41,7 +41,7 @@ class DrawGraphs:
              masks: GrammarMasks | None, grammars: GrammarCompiler | None) -> torch.Tensor:
         """The tokens of the first ``len(params)`` rows of the size-``size`` decode graph's
         logits (all rows ``plain``), drawn on the device without waiting for them; ``masks``
-        (from ``grammars``) are waited for, then copied."""
+        (from ``grammars``) are copied in once filled (``GrammarCompiler.to_device``)."""
         n = len(params)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         self._copied.synchronize()
@@ -57,7 +57,7 @@ class DrawGraphs:
                 self._bitmask = torch.full((self._staged.shape[1], masks.bitmask.shape[1]), -1,
                                            dtype=masks.bitmask.dtype,
                                            device=self._inputs.device)
-            grammars.copy_masks(masks, self._bitmask[:n])
+            grammars.to_device(masks, self._bitmask[:n])
         key = (size, masks is not None, not sampled)
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.structured import GrammarMasks
 
@@ -18,17 +17,19 @@ PLACEHOLDER = -1  # a sampled token the host has not read yet (token ids are nev
 
 @dataclass
 class InflightStep:
-    """``rows`` maps the seq_id of each sequence that awaits its token to its row; once the
-    tokens are drawn (:meth:`drawn`), ``host[i]`` is the token of ``seqs[i]`` when ``ready`` has
-    completed (None: already there)."""
+    """``rows`` maps the seq_id of each sequence that awaits its token to its row; ``masks``
+    are the grammar masks the tokens are drawn under, if any; once the tokens are drawn
+    (:meth:`drawn`), ``host[i]`` is the token of ``seqs[i]`` when ``ready`` has completed
+    (None: already there)."""
 
     seqs: list[Sequence]
     rows: dict[int, int]
+    masks: GrammarMasks | None = None
     host: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
 
     @staticmethod
-    def launch(sampled: list[Sequence]) -> "InflightStep | None":
+    def launch(sampled: list[Sequence], masks: GrammarMasks | None) -> "InflightStep | None":
         """Put a placeholder at the end of every ``sampled`` sequence still running; None when
         there is none."""
         live = [i for i, seq in enumerate(sampled) if not seq.is_finished]
@@ -36,7 +37,7 @@ class InflightStep:
             sampled[i].token_ids.append(PLACEHOLDER)
         if not live:
             return None
-        return InflightStep(sampled, {sampled[i].seq_id: i for i in live})
+        return InflightStep(sampled, {sampled[i].seq_id: i for i in live}, masks)
 
     def drawn(self, host: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         """Record where the tokens land (``ModelRunner.keep_sampled``'s answer)."""
@@ -49,11 +50,14 @@ class InflightStep:
                            count=len(seqs))
 
     def tokens(self) -> Iterator[tuple[Sequence, int]]:
-        """Wait for the tokens, then each sequence still waiting for its token (not aborted
-        meanwhile) with that token, its placeholder removed."""
+        """Wait for the tokens (a grammar job's error is raised here), then each sequence still
+        waiting for its token (not aborted meanwhile) with that token, its placeholder
+        removed."""
         assert self.host is not None, "the tokens are not drawn yet"
         if self.ready is not None:
             self.ready.synchronize()
+        if self.masks is not None:
+            self.masks.result()
         values = self.host.tolist()
         for i in self.rows.values():
             seq = self.seqs[i]
@@ -61,24 +65,3 @@ class InflightStep:
                 continue
             seq.token_ids.pop()
             yield seq, values[i]
-
-
-@dataclass(frozen=True)
-class PendingDraw:
-    """The draw of an in-flight step whose rows wait for grammar masks (filled on the grammar
-    thread while the host goes on): what ``sampler.draw`` needs, kept until the next step
-    draws it, before that step's input is needed. ``logits`` are the step's raw logits (the
-    device reads them before the next forward overwrites them); ``histories`` are the rows'
-    token ids as of the draw (see ``sampler.shaped``)."""
-
-    logits: torch.Tensor
-    params: list[SamplingParams]
-    keys: list[int | None]
-    histories: list[tuple[list[int], list[int]]]
-    masks: GrammarMasks
-    logits_ready: torch.cuda.Event | None  # None: computed already (CPU)
-    graph_size: int | None  # ``logits`` are this decode graph's output (``ModelRunner``)
-
-    def computed(self) -> bool:
-        """Whether the device has computed ``logits`` (and idles until the draw)."""
-        return self.logits_ready is None or self.logits_ready.query()

@@ -2,14 +2,14 @@
 
 With overlapped scheduling (``EngineConfig.async_scheduling``) a step is launched before the
 previous one's tokens are read, and its rows are sampled once they are (penalties see every
-token); rows with grammars are drawn only at the start of the next step, so that their masks
-fill on the grammar thread while the host does the rest (where the device idles until that
-draw, its tokens are read right after it, before the step is launched, and the next masks start
-filling at once). Each sampled sequence ends in ``PLACEHOLDER`` until the next step resolves it
-(so the scheduler counts the token it will compute), the next step's input for it is taken on
-the device, and a sequence that the resolved token finishes has computed one token more,
-discarded. Between steps at most one step is in flight, and a placeholder is only ever a
-sequence's last token, never in a hashed block or a pin.
+token); the grammar masks of its rows start filling on the grammar thread once those tokens
+are read, and its draw is queued at once behind a wait for them (on a GPU the device waits,
+while the host goes on; see ``GrammarCompiler.to_device``). Each sampled sequence ends in
+``PLACEHOLDER`` until the next step resolves it (so the scheduler counts the token it will
+compute), the next step's input for it is taken on the device, and a sequence that the
+resolved token finishes has computed one token more, discarded. Between steps at most one step
+is in flight, and a placeholder is only ever a sequence's last token, never in a hashed block
+or a pin.
 
 Not thread-safe: exactly one thread drives it (the caller of ``LLM``, or the loop of the engine
 process, ``engine.core``).
@@ -24,7 +24,7 @@ from engine.chat import render_chat
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.draw_graphs import DrawGraphs
-from engine.inflight import PLACEHOLDER, InflightStep, PendingDraw
+from engine.inflight import PLACEHOLDER, InflightStep
 from engine.info import EngineInfo
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer import KVTransfer
@@ -96,7 +96,6 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda" and tp is None)
         self._inflight: InflightStep | None = None
-        self._pending: PendingDraw | None = None  # the in-flight step's draw, if it waits
         # overlapped steps draw through CUDA graphs where they can (``_draw``)
         self.draw_graphs = (DrawGraphs({size: logits for size, (_, logits)
                                         in self.runner.graphs.items()})
@@ -221,19 +220,10 @@ class LLMEngine:
         if not batch.seqs:
             return outputs + self._resolve_inflight()
         feed = self._inflight.feed(batch.seqs) if self._inflight is not None else None
-        host = self.runner.host_metadata(batch)  # while grammar masks may still be filling
-        read = None
-        if self._pending is not None:  # (so the step overlaps: else it was drawn above)
-            idle = self._pending.computed()
-            self._draw_pending()  # this step's input
-            if idle:
-                # the device has nothing left to do but this draw: read its tokens at once, so
-                # the next masks fill while this step is launched too
-                read = self._read_and_mask(sampled)
-        logits = self.runner.execute(batch, sample_indices, feed, host)
-        if overlap:
-            # else the previous step's tokens are read while this one runs
-            resolved, masks = read if read is not None else self._read_and_mask(sampled)
+        logits = self.runner.execute(batch, sample_indices, feed,
+                                     self.runner.host_metadata(batch))
+        if overlap:  # the previous step's tokens are read while this one runs
+            resolved, masks = self._read_and_mask(sampled)
             outputs = self._apply_tokens(resolved)
             self._launch_draw(sampled, logits, masks)
             self._commit(batch)
@@ -256,31 +246,16 @@ class LLMEngine:
 
     def _launch_draw(self, sampled: list[Sequence], logits: torch.Tensor,
                      masks: GrammarMasks | None) -> None:
-        """Draw ``sampled``'s tokens without waiting for them (they become the in-flight step);
-        with grammar ``masks`` (being filled), the draw waits for the next step
-        (:meth:`_draw_pending`), so the masks fill while the host goes on. A row a resolved
-        token finished is drawn as it is (its token is discarded)."""
+        """Draw ``sampled``'s tokens without waiting for them (they become the in-flight step),
+        under grammar ``masks`` (being filled) if any. A row a resolved token finished is drawn
+        as it is (its token is discarded)."""
         params = [seq.params for seq in sampled]
         keys = [self._key(seq) for seq in sampled]
         histories = self._histories(sampled)
-        self._inflight = InflightStep.launch(sampled)
+        self._inflight = InflightStep.launch(sampled, masks)
         if self._inflight is None:  # every row finished: nothing to draw
             return
-        graph_size = self.runner.last_graph_size
-        if masks is not None:
-            self._pending = PendingDraw(logits, params, keys, histories, masks,
-                                        _recorded_event() if logits.is_cuda else None,
-                                        graph_size)
-            return
-        tokens = self._draw(logits, params, keys, histories, None, graph_size)
-        self._inflight.drawn(*self.runner.keep_sampled(tokens))
-
-    def _draw_pending(self) -> None:
-        """Draw the in-flight step's tokens once their grammar masks are filled."""
-        pending, self._pending = self._pending, None
-        assert pending is not None and self._inflight is not None
-        tokens = self._draw(pending.logits, pending.params, pending.keys, pending.histories,
-                            pending.masks, pending.graph_size)
+        tokens = self._draw(logits, params, keys, histories, masks, self.runner.last_graph_size)
         self._inflight.drawn(*self.runner.keep_sampled(tokens))
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams],
@@ -344,10 +319,8 @@ class LLMEngine:
         return self._apply_tokens(self._read_inflight())
 
     def _read_inflight(self) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """Wait for the in-flight step's tokens (drawn first if their masks were pending) and
-        record the grammars' ones (see ``GrammarCompiler.accept``)."""
-        if self._pending is not None:
-            self._draw_pending()
+        """Wait for the in-flight step's tokens and record the grammars' ones (see
+        ``GrammarCompiler.accept``)."""
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return []
@@ -394,10 +367,12 @@ class LLMEngine:
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
         params = [s.params for s in sampled]
+        masks = self._masks(sampled)
         token_ids, logprobs = sample(
             logits, params, [self._key(s) for s in sampled],
-            choose_from=self._shaped(logits, params, self._histories(sampled),
-                                     self._masks(sampled)))
+            choose_from=self._shaped(logits, params, self._histories(sampled), masks))
+        if masks is not None:
+            masks.result()  # (ended before the tokens were read: raises the job's error)
         tokens = list(zip(sampled, token_ids, logprobs, strict=True))
         self._record_grammar_tokens(tokens)
         return self._apply_tokens(tokens)
@@ -490,10 +465,3 @@ class LLMEngine:
             return {}
         return {"host_kv_blocks_total": host.num_slots, "host_cache_hits": self.kv.host_hits,
                 "host_kv_blocks_used": host.num_slots - len(host.free), **moved.counters()}
-
-
-def _recorded_event() -> torch.cuda.Event:
-    """An event recorded on the current stream (complete once the work queued so far is)."""
-    event = torch.cuda.Event()
-    event.record()
-    return event

@@ -38,7 +38,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.seed = seed  # the request's seed + index, or None
-        self.matcher: Any = None  # xgrammar's GrammarMatcher when the output is constrained
+        self.matcher: Any = None  # its grammar's matcher when the output is constrained
         self.session_id = session_id
         self.cache_salt = cache_salt
         self.status = SequenceStatus.WAITING

@@ -5,9 +5,10 @@ Each step, the rows that have one get a token bitmask (``fill_next_token_bitmask
 the logits they choose from, so only tokens that keep the output a valid prefix of the grammar
 can be drawn; the chosen token is then accepted by the matcher, and a grammar's stop token
 (allowed only once the grammar is complete) finishes its sample (``stop``). Masks are filled on
-a thread of their own while the engine's Python work goes on. Compiled grammars are cached by
-their specification. xgrammar is imported on first use, so the engine runs without it until a
-request asks for structured output.
+a thread of their own while the engine's Python work goes on; on a GPU, the draw that needs them
+is queued at once and the device, not the host, waits for them (``engine.stream_wait``).
+Compiled grammars are cached by their specification. xgrammar is imported on first use, so the
+engine runs without it until a request asks for structured output.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from functools import cache, cached_property
 from typing import Any
 
 import torch
+
+from engine.stream_wait import HostCounter
 
 MAX_WHITESPACE = 16  # whitespace characters allowed between two JSON tokens
 # While masks are being filled, the interpreter hands the GIL to a waiting thread after this
@@ -63,7 +66,9 @@ class GrammarCompiler:
 
     Matchers are touched by that thread alone: :meth:`accept` only records each matcher's
     token, and the next :meth:`masks` advances the matchers by them before it fills any mask.
-    One mask job is outstanding at a time (the next waits for it)."""
+    One mask job is outstanding at a time (the next waits for it). Jobs are numbered; on a GPU,
+    each raises a host counter to its number when it ends, which a stream waits on before it
+    copies the masks in (:meth:`to_device`)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device) -> None:
         """``device``: where the logits are (the bitmask is pinned for a GPU)."""
@@ -74,7 +79,10 @@ class GrammarCompiler:
         self._info: Any = None
         self._accepted: list[tuple[Any, int]] = []
         self._job: Future[None] | None = None
+        self._num_jobs = 0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        # None: the host waits for a job before its masks are copied (CPU, or no driver support)
+        self._counter = HostCounter.create() if self._pin else None
         # the bitmask rows, reused from step to step (pinned where a GPU reads them: a fresh
         # pageable one per step cost more than filling it); `_copied` marks the end of the
         # last copy out of them, which a refill waits for
@@ -88,10 +96,11 @@ class GrammarCompiler:
         return frozenset(self._tokenizer_info().stop_token_ids)
 
     def matcher(self, spec: StructuredOutput) -> Any:
-        """A fresh ``GrammarMatcher`` for ``spec``; ``ValueError`` if it cannot be compiled."""
+        """A fresh matcher for ``spec``, opaque (xgrammar's core ``GrammarMatcher``, the one
+        its batch calls take); ``ValueError`` if ``spec`` cannot be compiled."""
         xgr = _xgrammar()
         try:
-            return xgr.GrammarMatcher(self._compile(spec))
+            return xgr.GrammarMatcher(self._compile(spec))._handle
         except RuntimeError as e:  # xgrammar's error for a schema it cannot handle
             raise ValueError(f"json_schema cannot be compiled: {e}") from None
 
@@ -125,32 +134,38 @@ class GrammarCompiler:
             bitmask[[i for i in range(len(matchers)) if i not in masked]] = -1  # all allowed
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the job gives it back when it ends
+        self._num_jobs += 1
         self._job = self._thread.submit(
-            self._fill, [m._handle for m, _ in accepted], [t for _, t in accepted],
-            [matchers[i]._handle for i in rows], rows, bitmask, switch_interval)
-        return GrammarMasks(self._job, bitmask, rows)
+            self._fill, [m for m, _ in accepted], [t for _, t in accepted],
+            [matchers[i] for i in rows], rows, bitmask, switch_interval,
+            self._counter, self._num_jobs)
+        return GrammarMasks(self._job, self._num_jobs, bitmask, rows)
 
     def apply(self, masks: GrammarMasks, logits: torch.Tensor) -> None:
-        """Wait for ``masks``, then mask, in place, each row of the float32 ``logits`` to the
-        tokens its grammar allows next (a row without one is left as it is: all bits set)."""
+        """Mask, in place, each row of the float32 ``logits`` to the tokens its grammar allows
+        next (a row without one is left as it is: all bits set), once ``masks`` are filled
+        (waited for as :meth:`to_device` does)."""
         bitmask = (torch.empty_like(masks.bitmask, device=logits.device)
                    if logits.is_cuda and masks.rows else None)
-        self.copy_masks(masks, bitmask)
+        self.to_device(masks, bitmask)
         if masks.rows:
             apply_bitmask(logits, masks.bitmask if bitmask is None else bitmask)
 
-    def copy_masks(self, masks: GrammarMasks, out: torch.Tensor | None) -> None:
-        """Wait for ``masks`` (their job's error is raised here), then start copying their
-        bitmask rows to ``out`` (on the logits' device; None: no copy)."""
-        if masks.job is self._job:
-            self._job = None
-        masks.job.result()
+    def to_device(self, masks: GrammarMasks, out: torch.Tensor | None) -> None:
+        """Copy ``masks``' bitmask rows to ``out`` (on the logits' GPU) once their job has
+        ended: the current stream waits for it where it can, the host otherwise (and where
+        ``out`` is None: no copy, the masks are read on the host). A job's error is raised by
+        :meth:`GrammarMasks.result`, which whoever reads the tokens drawn calls."""
+        if out is None or self._counter is None:
+            masks.result()
+        else:
+            self._counter.stream_wait(masks.number)
         if out is None:
             return
         out.copy_(masks.bitmask, non_blocking=True)
-        if out.is_cuda:
+        if self._copied is None:
             self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._copied.record()
 
     def _wait(self) -> None:
         """Wait for the outstanding mask job, if any (its error is raised here)."""
@@ -160,17 +175,21 @@ class GrammarCompiler:
 
     @staticmethod
     def _fill(accepting: list[Any], tokens: list[int], handles: list[Any], rows: list[int],
-              bitmask: torch.Tensor, switch_interval: float) -> None:
-        """On the grammar thread: advance the matchers ``accepting`` (handles) by their
-        ``tokens``, then fill the bitmask rows ``rows`` of the matchers ``handles`` (across
-        xgrammar's threads), then give the interpreter back its GIL switch interval. Two calls
-        into xgrammar whatever the batch, never one per matcher."""
+              bitmask: torch.Tensor, switch_interval: float, counter: HostCounter | None,
+              number: int) -> None:
+        """On the grammar thread: advance the matchers ``accepting`` by their ``tokens``,
+        then fill the bitmask rows ``rows`` of the matchers ``handles`` (across
+        xgrammar's threads), then raise ``counter`` to the job's ``number`` (whatever happened:
+        a stream may be waiting) and give the interpreter back its GIL switch interval. Two
+        calls into xgrammar whatever the batch, never one per matcher."""
         try:
             if accepting:
                 _accept_tokens(accepting, tokens)
             if rows:
                 _fill_bitmask(handles, bitmask, rows)
         finally:
+            if counter is not None:
+                counter.raise_to(number)
             sys.setswitchinterval(switch_interval)
 
     def _tokenizer_info(self) -> Any:
@@ -193,17 +212,23 @@ class GrammarCompiler:
 @dataclass(frozen=True)
 class GrammarMasks:
     """The token masks of one step's logits rows ``rows`` (the others are left as they are),
-    being filled on the grammar thread by ``job``."""
+    being filled on the grammar thread by ``job``, the compiler's ``number``-th."""
 
     job: Future[None]
+    number: int
     bitmask: torch.Tensor
     rows: list[int]
 
+    def result(self) -> None:
+        """Wait for the masks; their job's error is raised here."""
+        self.job.result()
 
-# xgrammar's batch calls, made on the grammar thread straight into its core (handles: each
-# ``GrammarMatcher``'s ``_handle``). Its public wrappers turn the accept's result into a Python
-# list element by element, and every bytecode the grammar thread runs competes for the GIL with
-# the engine's thread: at 64 rows that cost more than the accepts themselves.
+
+# xgrammar's batch calls, made on the grammar thread straight into its core (on the core
+# matchers that ``GrammarCompiler.matcher`` gives). Its public wrappers turn the accept's
+# result into a Python list element by element, and every bytecode the grammar thread runs
+# competes for the GIL with the engine's thread: at 64 rows that cost more than the accepts
+# themselves.
 def _accept_tokens(handles: list[Any], tokens: list[int]) -> None:
     """Advance each matcher by its token (one its grammar allowed: the result is not read)."""
     _xgrammar().base._core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)

@@ -1,15 +1,18 @@
 """Overlapped scheduling (``async_scheduling``) on the CPU path: outputs arrive one step later
 but are those of synchronous steps (lengths, stops, seeds, sessions; penalties, sampled once
 the previous token is read; grammars, drawn at the next step once their masks are filled;
-logprobs and n > 1, which run synchronously); an abort while a token is in flight, drawn or
-waiting for its mask, reports nothing of it and frees every block."""
+logprobs and n > 1, which run synchronously); grammar rows are drawn once their masks are
+filled, however late, and a failed mask job fails the step that reads its tokens; an abort
+while a token is in flight reports nothing of it and frees every block."""
 
 import json
+import time
 
 import pytest
 
+import engine.structured
 from engine import LLM, SamplingParams
-from engine.inflight import PLACEHOLDER, PendingDraw
+from engine.inflight import PLACEHOLDER
 from engine.structured import StructuredOutput
 
 CITY = StructuredOutput(json_schema=json.dumps(
@@ -56,21 +59,53 @@ def test_grammars_penalties_logprobs_and_forks_sample_as_in_synchronous_steps(en
     assert len(sync[0][4]) == 12  # logprobs of every token
 
 
-@pytest.mark.parametrize("device_idle", [True, False], ids=["read-at-draw", "read-after-launch"])
-def test_overlapped_grammar_rows_sample_as_in_synchronous_steps(engines, monkeypatch,
-                                                                device_idle: bool) -> None:
-    """Every step overlaps (no logprobs, no forks); a grammar row's token is read as soon as it
-    is drawn (the device idles until then: always so on CPU) or after the next launch."""
+def test_overlapped_grammar_rows_drawn_while_masks_fill_slowly_sample_as_synchronous(
+        engines, monkeypatch) -> None:
+    """Every step overlaps (no logprobs, no forks); each fill of masks takes 5 ms more, so the
+    draw that needs them is made while they are still being filled."""
+    fill = engine.structured._fill_bitmask
     calls = []
-    monkeypatch.setattr(PendingDraw, "computed", lambda self: calls.append(1) or device_idle)
+
+    def slow_fill(*args) -> None:
+        calls.append(1)
+        time.sleep(0.005)
+        fill(*args)
+
+    monkeypatch.setattr(engine.structured, "_fill_bitmask", slow_fill)
     params = [SamplingParams(temperature=0, max_tokens=30, structured=CITY),
               SamplingParams(temperature=0.8, seed=3, max_tokens=30, structured=CITY),
               SamplingParams(temperature=0, max_tokens=20, presence_penalty=1.0),
               SamplingParams(temperature=0, max_tokens=20)]
     sync, overlapped = _run(engines[False], params), _run(engines[True], params)
     assert overlapped == sync
-    assert len(calls) >= 5  # grammar rows were drawn at the next step, that many times
+    assert len(calls) >= 10
     assert all(json.loads(text)["city"] for _, text, *_ in sync[:2])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
+def test_a_failed_mask_job_fails_the_step_that_reads_its_tokens(monkeypatch,
+                                                                 overlap: bool) -> None:
+    llm = LLM("smollm2", max_model_len=512, num_kv_blocks=64, async_scheduling=overlap)
+    prompt = _prompts(llm)[1]
+    fill = engine.structured._fill_bitmask
+    fills = []
+
+    def failing_fill(*args) -> None:
+        fills.append(1)
+        if len(fills) == 3:
+            raise RuntimeError("the third fill failed")
+        fill(*args)
+
+    monkeypatch.setattr(engine.structured, "_fill_bitmask", failing_fill)
+    llm.engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=20,
+                                                       structured=CITY))
+    tokens = []
+    with pytest.raises(RuntimeError, match="the third fill failed"):
+        while True:
+            tokens += [t for out in llm.engine.step() for t in out.outputs[0].token_ids]
+    # drawn under the first two masks (overlapped on the CPU, the second is lost: the step
+    # that returns it raises when its draw waits for the third masks)
+    assert 1 <= len(tokens) <= 2
 
 
 def test_an_overlapped_step_reports_the_step_before() -> None:

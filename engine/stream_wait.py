@@ -1,0 +1,86 @@
+"""A counter in pinned host memory that a CUDA stream waits on: a host thread raises it
+(:meth:`HostCounter.raise_to`), and work queued after :meth:`HostCounter.stream_wait` runs only
+once the counter has reached the value waited for, without any host thread blocking meanwhile
+(the driver's ``cuStreamWaitValue32``, which polls the host memory from the device).
+
+The counter is 32 bits and compared cyclically (``(int32)(counter - value) >= 0``), so it may
+wrap. Invariant for whoever queues a wait: the thread that will raise the counter must never
+need what the waiting stream's work produces, nor the GIL of a thread that waits for that work
+while holding it (torch's waits for the device release the GIL).
+"""
+
+import ctypes
+import logging
+from functools import cache
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("engine")
+
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+
+
+@cache
+def _driver() -> ctypes.CDLL | None:
+    """The CUDA driver library with the two entry points used here typed; None where it lacks
+    them."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        wait = lib.cuStreamWaitValue32_v2
+        device_pointer = lib.cuMemHostGetDevicePointer_v2
+    except (OSError, AttributeError):
+        return None
+    wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    wait.restype = ctypes.c_int
+    device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    device_pointer.restype = ctypes.c_int
+    return lib
+
+
+class HostCounter:
+    """See the module docstring. Build with :meth:`create`."""
+
+    def __init__(self, host: torch.Tensor, device_address: int, driver: ctypes.CDLL) -> None:
+        self._host = host  # keeps the pinned memory alive
+        self._value = host.numpy().view(np.uint32)
+        self._address = device_address
+        self._driver = driver
+
+    @staticmethod
+    def create() -> "HostCounter | None":
+        """A counter at 0 for the current CUDA device, checked by one wait on it; None (logged)
+        where the driver does not offer stream waits on host memory."""
+        driver = _driver()
+        if driver is None:
+            logger.warning("the CUDA driver has no cuStreamWaitValue32: grammar masks are "
+                           "waited for on the host")
+            return None
+        host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        address = ctypes.c_uint64()
+        status = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(address),
+                                                     ctypes.c_void_p(host.data_ptr()), 0)
+        counter = HostCounter(host, address.value, driver) if status == 0 else None
+        if counter is not None:
+            status = counter._wait(0)
+            torch.cuda.current_stream().synchronize()
+        if counter is None or status != 0:
+            logger.warning("stream waits on host memory failed (CUDA error %d): grammar masks "
+                           "are waited for on the host", status)
+            return None
+        return counter
+
+    def raise_to(self, value: int) -> None:
+        """Set the counter to ``value`` (wrapped to 32 bits); any thread."""
+        self._value[0] = value & 0xFFFFFFFF
+
+    def stream_wait(self, value: int) -> None:
+        """Make the current stream's later work wait until the counter reaches ``value``."""
+        status = self._wait(value)
+        if status != 0:
+            raise RuntimeError(f"cuStreamWaitValue32 failed with CUDA error {status}")
+
+    def _wait(self, value: int) -> int:
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        return self._driver.cuStreamWaitValue32_v2(stream, self._address,
+                                                   value & 0xFFFFFFFF, _WAIT_GEQ)
