@@ -174,19 +174,19 @@ class GrammarCompiler:
             job.result()
 
     @staticmethod
-    def _fill(accepting: list[Any], tokens: list[int], handles: list[Any], rows: list[int],
+    def _fill(accepting: list[Any], tokens: list[int], filling: list[Any], rows: list[int],
               bitmask: torch.Tensor, switch_interval: float, counter: HostCounter | None,
               number: int) -> None:
         """On the grammar thread: advance the matchers ``accepting`` by their ``tokens``,
-        then fill the bitmask rows ``rows`` of the matchers ``handles`` (across
-        xgrammar's threads), then raise ``counter`` to the job's ``number`` (whatever happened:
+        then fill the bitmask rows ``rows`` of the matchers ``filling`` (across xgrammar's
+        threads), then raise ``counter`` to the job's ``number`` (whatever happened:
         a stream may be waiting) and give the interpreter back its GIL switch interval. Two
         calls into xgrammar whatever the batch, never one per matcher."""
         try:
             if accepting:
                 _accept_tokens(accepting, tokens)
             if rows:
-                _fill_bitmask(handles, bitmask, rows)
+                _fill_bitmask(filling, bitmask, rows)
         finally:
             if counter is not None:
                 counter.raise_to(number)
@@ -229,14 +229,14 @@ class GrammarMasks:
 # result into a Python list element by element, and every bytecode the grammar thread runs
 # competes for the GIL with the engine's thread: at 64 rows that cost more than the accepts
 # themselves.
-def _accept_tokens(handles: list[Any], tokens: list[int]) -> None:
+def _accept_tokens(matchers: list[Any], tokens: list[int]) -> None:
     """Advance each matcher by its token (one its grammar allowed: the result is not read)."""
-    _xgrammar().base._core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
+    _xgrammar().base._core.BatchGrammarMatcher.batch_accept_token(matchers, tokens, False)
 
 
-def _fill_bitmask(handles: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Fill ``bitmask`` row ``rows[i]`` with the allowed tokens of matcher ``handles[i]``."""
-    _batch_matcher()._handle.batch_fill_next_token_bitmask(handles, bitmask, rows, False)
+def _fill_bitmask(matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Fill ``bitmask`` row ``rows[i]`` with the allowed tokens of ``matchers[i]``."""
+    _batch_matcher()._handle.batch_fill_next_token_bitmask(matchers, bitmask, rows, False)
 
 
 @cache

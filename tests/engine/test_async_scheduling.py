@@ -83,8 +83,8 @@ def test_overlapped_grammar_rows_drawn_while_masks_fill_slowly_sample_as_synchro
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
-def test_a_failed_mask_job_fails_the_step_that_reads_its_tokens(monkeypatch,
-                                                                 overlap: bool) -> None:
+def test_a_failed_mask_job_fails_a_step_before_a_token_drawn_under_it_is_returned(
+        monkeypatch, overlap: bool) -> None:
     llm = LLM("smollm2", max_model_len=512, num_kv_blocks=64, async_scheduling=overlap)
     prompt = _prompts(llm)[1]
     fill = engine.structured._fill_bitmask
