@@ -53,20 +53,19 @@ class HostCounter:
         where the driver does not offer stream waits on host memory."""
         driver = _driver()
         if driver is None:
-            logger.warning("the CUDA driver has no cuStreamWaitValue32: grammar masks are "
-                           "waited for on the host")
+            logger.warning("the CUDA driver has no cuStreamWaitValue32: the host waits instead")
             return None
         host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         address = ctypes.c_uint64()
         status = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(address),
                                                      ctypes.c_void_p(host.data_ptr()), 0)
-        counter = HostCounter(host, address.value, driver) if status == 0 else None
-        if counter is not None:
+        counter = HostCounter(host, address.value, driver)
+        if status == 0:
             status = counter._wait(0)
             torch.cuda.current_stream().synchronize()
-        if counter is None or status != 0:
-            logger.warning("stream waits on host memory failed (CUDA error %d): grammar masks "
-                           "are waited for on the host", status)
+        if status != 0:
+            logger.warning("stream waits on host memory failed (CUDA error %d): the host waits "
+                           "instead", status)
             return None
         return counter
 

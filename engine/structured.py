@@ -156,12 +156,13 @@ class GrammarCompiler:
         ended: the current stream waits for it where it can, the host otherwise (and where
         ``out`` is None: no copy, the masks are read on the host). A job's error is raised by
         :meth:`GrammarMasks.result`, which whoever reads the tokens drawn calls."""
-        if out is None or self._counter is None:
+        if out is None:
+            masks.result()
+            return
+        if self._counter is None:
             masks.result()
         else:
             self._counter.stream_wait(masks.number)
-        if out is None:
-            return
         out.copy_(masks.bitmask, non_blocking=True)
         if self._copied is None:
             self._copied = torch.cuda.Event()
