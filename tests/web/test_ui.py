@@ -392,3 +392,34 @@ def test_refused_message_shows_the_error_banner(server: str, browser) -> None:
     page.click("#banner-close")
     expect(page.locator("#banner")).to_be_hidden()
     ctx.close()
+
+
+# Holds back every socket's `open` event by 3 s, as a slow network or proxy would.
+SLOW_OPEN = """(() => {
+  const Native = window.WebSocket;
+  window.WebSocket = class SlowOpening extends Native {
+    set onopen(handler) {
+      super.onopen = (ev) => setTimeout(() => handler.call(this, ev), 3000);
+    }
+    get onopen() { return super.onopen; }
+  };
+})();"""
+
+
+def test_a_message_sent_before_the_socket_opens_is_sent_when_it_opens(server: str,
+                                                                     browser) -> None:
+    """Enter pressed while the page's socket is still opening queues the message (it is not
+    dropped): it is answered once the socket opens, with no banner."""
+    ctx = browser.new_context()
+    ctx.add_init_script(f"localStorage.setItem('chatgate.apiKey', {json.dumps(API_KEY)})")
+    ctx.add_init_script("localStorage.setItem('chatgate.maxTokens', '8')")
+    ctx.add_init_script(SLOW_OPEN)
+    page = ctx.new_page()
+    page.goto(server)
+    expect(page.locator("#conn")).to_have_attribute("data-status", "connecting")
+    _send(page, "Say hi.")
+    assert page.evaluate("window.chatgate.state.open") is False  # sent before the socket opened
+    _wait_answers(page, 1)
+    expect(page.locator(".msg.user")).to_have_count(1)
+    expect(page.locator("#banner")).to_be_hidden()
+    ctx.close()

@@ -152,7 +152,11 @@ function connect() {
     state.open = false;
     state.ws = null;
     setConn("closed");
-    if (state.busy) endTurn({ interrupted: true });
+    if (state.busy) {
+      // A message that never left the page (the socket closed before opening) is given back.
+      if (state.pending.some((frame) => frame.type === "message")) giveBackUnanswered();
+      endTurn({ interrupted: true });
+    }
     state.pending = [];
     if (state.creating) { // a create that got no answer is redone by the next message
       state.creating = false;
@@ -194,11 +198,19 @@ function isOpen() {
   return state.open && state.ws?.readyState === WebSocket.OPEN;
 }
 
+/** Make sure a socket is open or opening: frames sent before it opens wait in `pending`.
+ * False only when the key was refused (no socket opens until a new key is given). */
 function requireSocket() {
-  if (isOpen()) return true;
-  showBanner("Not connected to the gateway yet — reconnecting…", "warn");
   if (!state.ws && !state.authFailed) connect();
-  return false;
+  return Boolean(state.ws);
+}
+
+/** A turn that got no answer gives the typed text back, unless the user typed anew. */
+function giveBackUnanswered() {
+  if (!state.turn?.text && state.lastSent && !el.input.value) {
+    el.input.value = state.lastSent;
+    autosize();
+  }
 }
 
 const handlers = {
@@ -250,10 +262,7 @@ const handlers = {
     if (state.busy) {
       // A refused turn (rate limit, bad params, …): give the text back and resync the
       // conversation with what the server kept.
-      if (!state.turn?.text && state.lastSent && !el.input.value) {
-        el.input.value = state.lastSent;
-        autosize();
-      }
+      giveBackUnanswered();
       endTurn({ error: true });
       if (state.sessionId) send({ type: "session.resume", session_id: state.sessionId });
     }
