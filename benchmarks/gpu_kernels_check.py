@@ -234,6 +234,7 @@ def draw_graph_case(masks_kind: str) -> float:
     from engine.draw_graphs import DrawGraphs
     from engine.sampler import draw, draw_key, shaped
     from engine.sampling_params import SamplingParams
+    from engine.stream_wait import HostCounter
     from engine.structured import GrammarCompiler, GrammarMasks
 
     vocab, sizes = 49152, (8, 64)
@@ -241,11 +242,9 @@ def draw_graph_case(masks_kind: str) -> float:
               for size in sizes}
     graphs = DrawGraphs(static)
     grammars = GrammarCompiler(None, vocab, torch.device("cuda"))
-    counter = grammars._counter
+    counter = HostCounter.create(torch.zeros(1, dtype=torch.int32, pin_memory=True))
     assert counter is not None, "no stream waits on host memory"
     number = 0
-    done: Future[None] = Future()
-    done.set_result(None)
     wrong = total = 0
     for size, n, temperatures in ((8, 5, (0.0, 0.7, 1.5)), (64, 64, (0.0, 0.7, 1.5)),
                                   (8, 8, (0.0,)), (64, 50, (1.0, 0.0))):
@@ -268,9 +267,11 @@ def draw_graph_case(masks_kind: str) -> float:
                     counter.raise_to(number)
                     job.set_result(None)
 
-                masks = GrammarMasks(job, number, bitmask, list(range(1, n)))
+                masks = GrammarMasks(number, bitmask, list(range(1, n)),
+                                     lambda _, job=job: job.result(), counter)
                 # the eager draw's masks: filled already (the counter is past job 0)
-                reference = GrammarMasks(done, 0, filled.pin_memory(), masks.rows)
+                reference = GrammarMasks(0, filled.pin_memory(), masks.rows, lambda _: None,
+                                         counter)
                 if masks_kind == "ready":
                     fill()
                 else:

@@ -1,12 +1,13 @@
-"""The grammar thread's two xgrammar calls a step (accept the rows' tokens, fill their masks),
+"""The grammar worker's two xgrammar calls a step (accept the rows' tokens, fill their masks),
 timed alone and beside a busy Python thread, through xgrammar's public wrappers and through
-the calls the engine makes (``engine.structured``: straight into xgrammar's core).
+the calls the grammar worker makes (``engine.structured``: straight into xgrammar's core).
 
 ``--num-matchers`` matchers of structured.py's schema (compiled as the engine compiles it)
-walk through valid answers token by token; each step's accept + fill runs on a worker thread,
-as in the engine, with the GIL switch interval the engine sets while a mask job runs. "Beside a
-busy thread": the main thread runs Python until the job is done, as the engine's thread does
-while masks fill. Prints the median ms per step of each call. Log: ``grammar_fill.txt``/``.json``.
+walk through valid answers token by token; each step's accept + fill runs on a thread of its
+own. "Beside a busy thread": the main thread runs Python until the job is done, as an engine
+thread sharing the interpreter would (the engine runs the calls in a process of their own,
+``engine.grammar_worker``, where nothing competes for its GIL). Prints the median ms per step
+of each call. Log: ``grammar_fill.txt``/``.json``.
 
     python benchmarks/grammar_fill.py                 # SmolLM2's tokenizer, 64 matchers
     python benchmarks/grammar_fill.py --tokenizer DIR # a tokenizer saved to DIR
@@ -50,20 +51,18 @@ def wrapper_calls() -> tuple[Callable, Callable, Callable]:
 
 
 def engine_calls() -> tuple[Callable, Callable, Callable]:
-    """The same as the engine's grammar thread makes them: on xgrammar's core matchers (the
-    engine's matchers are those from the start)."""
+    """The same as the grammar worker makes them: on xgrammar's core matchers (the worker's
+    matchers are those from the start)."""
     from engine import structured
 
-    return (lambda ms: [m._handle for m in ms], structured._accept_tokens,
-            structured._fill_bitmask)
+    return (lambda ms: [m._handle for m in ms], structured.accept_tokens,
+            structured.fill_bitmask)
 
 
 def walk(grammar: Any, tokens: list[list[int]], calls: tuple[Callable, Callable, Callable],
          busy: bool, bitmask: Any) -> tuple[list[float], list[float]]:
     """Each step's accept and fill time (seconds) over the answers ``tokens``."""
     import xgrammar as xgr
-
-    from engine.structured import GIL_SWITCH_INTERVAL_S
 
     passed, accept, fill = calls
     matchers = passed([xgr.GrammarMatcher(grammar) for _ in tokens])
@@ -81,17 +80,12 @@ def walk(grammar: Any, tokens: list[list[int]], calls: tuple[Callable, Callable,
             accepts.append(mid - start)
         fills.append(time.perf_counter() - mid)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    try:
-        with ThreadPoolExecutor(1) as thread:
-            for step in range(len(tokens[0])):
-                future = thread.submit(job, step)
-                while busy and not future.done():
-                    sum(range(50))  # the engine's thread, running Python meanwhile
-                future.result()
-    finally:
-        sys.setswitchinterval(interval)
+    with ThreadPoolExecutor(1) as thread:
+        for step in range(len(tokens[0])):
+            future = thread.submit(job, step)
+            while busy and not future.done():
+                sum(range(50))  # a thread beside it, running Python meanwhile
+            future.result()
     return accepts, fills
 
 

@@ -3,11 +3,11 @@ workload, (a) under its JSON schema and (b) unconstrained with the same token co
 sampler's draw graphs (``engine/draw_graphs.py``) on and off in turn in one process.
 
 Each section is timed by wrapping the engine's method of that name (``_read_inflight``,
-``execute``, ...; ``fill(thread)`` is the grammar thread's job, ``to_device`` queueing the
-masks' copy behind the device's wait for them, ``capture`` a draw graph's first use), as ms
-per step, and how many reads of a step's tokens took over 1 ms (a read waits for the draw,
-which waits for its masks). A profiling aid: the wrappers add a little time to every
-section.
+``execute``, ...; ``submit(job)`` sending a mask job to the grammar worker, ``wait(job)``
+waiting for its answer, ``to_device`` queueing the masks' copy behind the device's wait for
+them, ``capture`` a draw graph's first use), as ms per step, and how many reads of a step's
+tokens took over 1 ms (a read waits for the draw, which waits for its masks). A profiling aid:
+the wrappers add a little time to every section.
 
     python benchmarks/step_sections.py --device cuda --dtype bfloat16 \
         --model dummy:smollm2-135m --tokenizer DIR --repeat 3
@@ -64,8 +64,10 @@ def instrument(engine: Any) -> None:
         engine.draw_graphs.draw = timed(engine.draw_graphs.draw, "graphdraw")
         engine.draw_graphs._capture = timed(engine.draw_graphs._capture, "capture")
     grammars = engine._grammars()
-    grammars._fill = timed(grammars._fill, "fill(thread)")
     grammars.to_device = timed(grammars.to_device, "to_device")
+    worker = grammars._start()
+    worker.submit = timed(worker.submit, "submit(job)")
+    worker.wait = timed(worker.wait, "wait(job)")
 
 
 def main(argv: list[str] | None = None) -> int:

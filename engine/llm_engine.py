@@ -2,8 +2,8 @@
 
 With overlapped scheduling (``EngineConfig.async_scheduling``) a step is launched before the
 previous one's tokens are read, and its rows are sampled once they are (penalties see every
-token); the grammar masks of its rows start filling on the grammar thread once those tokens
-are read, and its draw is queued at once behind a wait for them (on a GPU the device waits,
+token); the grammar masks of its rows start filling in the grammar worker process once those
+tokens are read, and its draw is queued at once behind a wait for them (on a GPU the device waits,
 while the host goes on; see ``GrammarCompiler.to_device``). Each sampled sequence ends in
 ``PLACEHOLDER`` until the next step resolves it (so the scheduler counts the token it will
 compute), the next step's input for it is taken on the device, and a sequence that the
@@ -184,10 +184,12 @@ class LLMEngine:
         return [proc.sentinel for proc in tp.workers] if tp is not None else []
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done when the engine is collected or
-        the interpreter exits); the engine takes no step after it."""
+        """Stop the tensor-parallel workers and the grammar worker, if any (also done when the
+        engine is collected or the interpreter exits); the engine takes no step after it."""
         if self.runner.tp is not None:
             self.runner.tp.shutdown()
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.close()
 
     def take_pin_changes(self) -> dict[str, list[int] | None]:
         """Sessions pinned (their token ids) or unpinned (None) since the last call; empty

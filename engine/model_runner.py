@@ -97,7 +97,7 @@ def one_host_thread() -> None:
     """Run torch's host-side ops on one thread, unless ``OMP_NUM_THREADS`` says otherwise (as
     vLLM's GPU workers do). A GPU engine's host tensors are a few rows of metadata, and torch's
     pool of intra-op threads, which spin for a while after every parallel op, takes the cores
-    that the grammar thread's xgrammar workers fill masks on: on the H200's 16-core host, with
+    that the grammar worker's xgrammar threads fill masks on: on the H200's 16-core host, with
     16 torch threads, a few mask fills a run stalled for 3-6 ms (``docs/benchmarks.md`` section
     6)."""
     if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() != 1:

@@ -1,7 +1,9 @@
-"""A counter in pinned host memory that a CUDA stream waits on: a host thread raises it
-(:meth:`HostCounter.raise_to`), and work queued after :meth:`HostCounter.stream_wait` runs only
-once the counter has reached the value waited for, without any host thread blocking meanwhile
-(the driver's ``cuStreamWaitValue32``, which polls the host memory from the device).
+"""A counter in page-locked host memory that a CUDA stream waits on: a host thread, or
+another process sharing the memory, raises it (:meth:`HostCounter.raise_to`), and work queued
+after :meth:`HostCounter.stream_wait` runs only once the counter has reached the value waited
+for, without any host thread blocking meanwhile (the driver's ``cuStreamWaitValue32``, which
+polls the host memory from the device). :func:`register_host_memory` page-locks memory that
+torch did not allocate (a mapping shared with another process).
 
 The counter is 32 bits and compared cyclically (``(int32)(counter - value) >= 0``), so it may
 wrap. Invariant for whoever queues a wait: the thread that will raise the counter must never
@@ -29,13 +31,45 @@ def _driver() -> ctypes.CDLL | None:
         lib = ctypes.CDLL("libcuda.so.1")
         wait = lib.cuStreamWaitValue32_v2
         device_pointer = lib.cuMemHostGetDevicePointer_v2
+        register = lib.cuMemHostRegister_v2
+        unregister = lib.cuMemHostUnregister
     except (OSError, AttributeError):
         return None
     wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
     wait.restype = ctypes.c_int
     device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
     device_pointer.restype = ctypes.c_int
+    register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    register.restype = ctypes.c_int
+    unregister.argtypes = [ctypes.c_void_p]
+    unregister.restype = ctypes.c_int
     return lib
+
+
+_REGISTER_PORTABLE_DEVICEMAP = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | _DEVICEMAP
+
+
+def register_host_memory(memory: torch.Tensor) -> bool:
+    """Page-lock and map for the device the host memory under the contiguous CPU tensor
+    ``memory`` (until :func:`unregister_host_memory`), so that copies from it are DMA reads at
+    the time the stream runs them and a counter in it can be waited on; False (logged) where
+    the driver refuses."""
+    driver = _driver()
+    status = (driver.cuMemHostRegister_v2(ctypes.c_void_p(memory.data_ptr()),
+                                          memory.numel() * memory.element_size(),
+                                          _REGISTER_PORTABLE_DEVICEMAP)
+              if driver is not None else -1)
+    if status != 0:
+        logger.warning("host memory could not be page-locked (CUDA error %d): the host waits "
+                       "instead", status)
+    return status == 0
+
+
+def unregister_host_memory(memory: torch.Tensor) -> None:
+    """Undo :func:`register_host_memory` (no copy out of ``memory`` may still be queued)."""
+    driver = _driver()
+    assert driver is not None
+    driver.cuMemHostUnregister(ctypes.c_void_p(memory.data_ptr()))
 
 
 class HostCounter:
@@ -48,14 +82,15 @@ class HostCounter:
         self._driver = driver
 
     @staticmethod
-    def create() -> "HostCounter | None":
-        """A counter at 0 for the current CUDA device, checked by one wait on it; None (logged)
-        where the driver does not offer stream waits on host memory."""
+    def create(host: torch.Tensor) -> "HostCounter | None":
+        """A counter at 0 in ``host`` (one int32 in page-locked host memory) for the current
+        CUDA device, checked by one wait on it; None (logged) where the driver does not offer
+        stream waits on host memory."""
         driver = _driver()
         if driver is None:
             logger.warning("the CUDA driver has no cuStreamWaitValue32: the host waits instead")
             return None
-        host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        host.zero_()
         address = ctypes.c_uint64()
         status = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(address),
                                                      ctypes.c_void_p(host.data_ptr()), 0)
@@ -68,6 +103,10 @@ class HostCounter:
                            "instead", status)
             return None
         return counter
+
+    @property
+    def value(self) -> int:
+        return int(self._value[0])
 
     def raise_to(self, value: int) -> None:
         """Set the counter to ``value`` (wrapped to 32 bits); any thread."""

@@ -4,9 +4,10 @@ A request whose ``SamplingParams.structured`` is set gets one ``GrammarMatcher``
 Each step, the rows that have one get a token bitmask (``fill_next_token_bitmask``) applied to
 the logits they choose from, so only tokens that keep the output a valid prefix of the grammar
 can be drawn; the chosen token is then accepted by the matcher, and a grammar's stop token
-(allowed only once the grammar is complete) finishes its sample (``stop``). Masks are filled on
-a thread of their own while the engine's Python work goes on; on a GPU, the draw that needs them
-is queued at once and the device, not the host, waits for them (``engine.stream_wait``).
+(allowed only once the grammar is complete) finishes its sample (``stop``). Masks are filled by
+a process of their own (``engine.grammar_worker``) while the engine's Python work goes on; on a
+GPU, the draw that needs them is queued at once and the device, not the host, waits for them
+(``engine.stream_wait``).
 Compiled grammars are cached by their specification. xgrammar is imported on first use, so the
 engine runs without it until a request asks for structured output.
 """
@@ -14,22 +15,18 @@ engine runs without it until a request asks for structured output.
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import Any
 
 import torch
 
+from engine.grammar_worker import GrammarWorker, MaskJob
 from engine.stream_wait import HostCounter
 
 MAX_WHITESPACE = 16  # whitespace characters allowed between two JSON tokens
-# While masks are being filled, the interpreter hands the GIL to a waiting thread after this
-# long (Python's default, 5 ms, is longer than a step: the grammar thread would start only when
-# the engine's thread waits for it, and nothing would overlap)
-GIL_SWITCH_INTERVAL_S = 2e-5
 
 
 @dataclass(frozen=True)
@@ -50,7 +47,8 @@ class StructuredOutput:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from None
 
 
-def _xgrammar() -> Any:
+def xgrammar() -> Any:
+    """xgrammar, imported on first use (``ValueError`` naming the package if absent)."""
     try:
         import xgrammar
     except ImportError:
@@ -59,34 +57,39 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
-class GrammarCompiler:
-    """Compiles and caches grammars for one tokenizer and vocabulary size, and fills their
-    token masks on a thread of their own (:meth:`masks`), so that a step's Python work runs
-    while they are filled (xgrammar releases the GIL).
+class Matcher:
+    """A grammar matcher, held by the grammar worker and known here by its ``id``; the worker
+    forgets it once this handle is collected (``GrammarCompiler.matcher``)."""
 
-    Matchers are touched by that thread alone: :meth:`accept` only records each matcher's
-    token, and the next :meth:`masks` advances the matchers by them before it fills any mask.
-    One mask job is outstanding at a time (the next waits for it). Jobs are numbered; on a GPU,
-    each raises a host counter to its number when it ends, which a stream waits on before it
-    copies the masks in (:meth:`to_device`)."""
+    __slots__ = ("id", "__weakref__")
+
+    def __init__(self, matcher_id: int) -> None:
+        self.id = matcher_id
+
+
+class GrammarCompiler:
+    """Compiles and caches grammars for one tokenizer and vocabulary size (to check a request's
+    at once), and has their matchers' token masks filled by the grammar worker, a process of
+    its own (``engine.grammar_worker``), while a step's Python work goes on (:meth:`masks`).
+
+    :meth:`accept` only records each matcher's token; the next :meth:`masks` job advances the
+    matchers by them before it fills any mask. One mask job is outstanding at a time (the next
+    waits for it). On a GPU, a stream waits for a job's counter before it copies the masks in
+    (:meth:`to_device`); elsewhere the host waits for the job's answer."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device) -> None:
-        """``device``: where the logits are (the bitmask is pinned for a GPU)."""
+        """``device``: where the logits are (the bitmask is page-locked for a GPU)."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._pin = device.type == "cuda"
         self._compiler: Any = None
         self._info: Any = None
-        self._accepted: list[tuple[Any, int]] = []
-        self._job: Future[None] | None = None
-        self._num_jobs = 0
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        # None: the host waits for a job before its masks are copied (CPU, or no driver support)
-        self._counter = HostCounter.create() if self._pin else None
-        # the bitmask rows, reused from step to step (pinned where a GPU reads them: a fresh
-        # pageable one per step cost more than filling it); `_copied` marks the end of the
-        # last copy out of them, which a refill waits for
-        self._bitmask: torch.Tensor | None = None
+        self._worker: GrammarWorker | None = None  # started with the first mask job
+        self._num_matchers = self._num_jobs = 0
+        self._created: list[tuple[int, StructuredOutput]] = []
+        self._dropped: list[int] = []  # appended to by the matchers' finalizers
+        self._accepted: list[tuple[Matcher, int]] = []
+        # the end of the last copy out of the shared bitmask, which a refill waits for
         self._copied: torch.cuda.Event | None = None
 
     @cached_property
@@ -95,51 +98,49 @@ class GrammarCompiler:
         complete, so accepting it terminates the matcher)."""
         return frozenset(self._tokenizer_info().stop_token_ids)
 
-    def matcher(self, spec: StructuredOutput) -> Any:
-        """A fresh matcher for ``spec``, opaque (xgrammar's core ``GrammarMatcher``, the one
-        its batch calls take); ``ValueError`` if ``spec`` cannot be compiled."""
-        xgr = _xgrammar()
+    def matcher(self, spec: StructuredOutput) -> Matcher:
+        """A fresh matcher for ``spec`` (made by the worker with the next job); ``ValueError``
+        if ``spec`` cannot be compiled."""
         try:
-            return xgr.GrammarMatcher(self._compile(spec))._handle
+            self._compile(spec)
         except RuntimeError as e:  # xgrammar's error for a schema it cannot handle
             raise ValueError(f"json_schema cannot be compiled: {e}") from None
+        self._num_matchers += 1
+        matcher = Matcher(self._num_matchers)
+        weakref.finalize(matcher, self._dropped.append, matcher.id).atexit = False
+        self._created.append((matcher.id, spec))
+        return matcher
 
-    def accept(self, matchers: Sequence[Any], tokens: Sequence[int]) -> None:
+    def accept(self, matchers: Sequence[Matcher], tokens: Sequence[int]) -> None:
         """Record that each matcher's output went on with its token (a sampled token is always
         one its grammar allowed); the matchers advance before their next masks are filled."""
         self._accepted += zip(matchers, tokens, strict=True)
 
-    def masks(self, matchers: Sequence[Any | None]) -> GrammarMasks:
-        """Start filling, on the grammar thread, the token masks of one logits row per matcher:
+    def masks(self, matchers: Sequence[Matcher | None]) -> GrammarMasks:
+        """Start filling, in the grammar worker, the token masks of one logits row per matcher:
         row ``i`` is masked by ``matchers[i]`` (None, or a matcher whose last token ended its
         grammar: all tokens allowed). The recorded tokens are accepted first."""
-        xgr = _xgrammar()
-        shape = xgr.get_bitmask_shape(len(matchers), self.vocab_size)
-        self._wait()
-        if (self._bitmask is None or self._bitmask.shape[0] < shape[0]
-                or self._bitmask.shape[1] != shape[1]):
-            self._bitmask = torch.empty(max(shape[0], 64), shape[1], dtype=xgr.bitmask_dtype,
-                                        pin_memory=self._pin)
-            self._copied = None
+        worker = self._start()
+        worker.wait(self._num_jobs)  # the last job (its error is raised here)
         if self._copied is not None:
             # the last copy out of the bitmask has read it (done by now: a job starts after the
             # tokens of the step that last applied masks are read)
             self._copied.synchronize()
         accepted, self._accepted = self._accepted, []
-        ended = {id(m) for m, token in accepted if token in self.stop_token_ids}
-        rows = [i for i, m in enumerate(matchers) if m is not None and id(m) not in ended]
-        bitmask = self._bitmask[:shape[0]]
+        ended = {m.id for m, token in accepted if token in self.stop_token_ids}
+        rows = [i for i, m in enumerate(matchers) if m is not None and m.id not in ended]
+        bitmask = worker.bitmask(len(matchers))
         if len(rows) < len(matchers):
             masked = set(rows)
             bitmask[[i for i in range(len(matchers)) if i not in masked]] = -1  # all allowed
-        switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the job gives it back when it ends
+        created, self._created = self._created, []
+        dropped = self._dropped[:]
+        del self._dropped[:len(dropped)]
         self._num_jobs += 1
-        self._job = self._thread.submit(
-            self._fill, [m for m, _ in accepted], [t for _, t in accepted],
-            [matchers[i] for i in rows], rows, bitmask, switch_interval,
-            self._counter, self._num_jobs)
-        return GrammarMasks(self._job, self._num_jobs, bitmask, rows)
+        worker.submit(MaskJob(self._num_jobs, 0, created, dropped, [m.id for m, _ in accepted],
+                              [token for _, token in accepted],
+                              [matchers[i].id for i in rows], rows))  # type: ignore[union-attr]
+        return GrammarMasks(self._num_jobs, bitmask, rows, worker.wait, worker.counter)
 
     def apply(self, masks: GrammarMasks, logits: torch.Tensor) -> None:
         """Mask, in place, each row of the float32 ``logits`` to the tokens its grammar allows
@@ -159,43 +160,31 @@ class GrammarCompiler:
         if out is None:
             masks.result()
             return
-        if self._counter is None:
+        if masks.counter is None:
             masks.result()
         else:
-            self._counter.stream_wait(masks.number)
+            masks.counter.stream_wait(masks.number)
         out.copy_(masks.bitmask, non_blocking=True)
         if self._copied is None:
             self._copied = torch.cuda.Event()
         self._copied.record()
 
-    def _wait(self) -> None:
-        """Wait for the outstanding mask job, if any (its error is raised here)."""
-        job, self._job = self._job, None
-        if job is not None:
-            job.result()
+    def close(self) -> None:
+        """Stop the grammar worker, if started; no mask job after this."""
+        if self._worker is not None:
+            self._worker.close()
 
-    @staticmethod
-    def _fill(accepting: list[Any], tokens: list[int], filling: list[Any], rows: list[int],
-              bitmask: torch.Tensor, switch_interval: float, counter: HostCounter | None,
-              number: int) -> None:
-        """On the grammar thread: advance the matchers ``accepting`` by their ``tokens``,
-        then fill the bitmask rows ``rows`` of the matchers ``filling`` (across xgrammar's
-        threads), then raise ``counter`` to the job's ``number`` (whatever happened:
-        a stream may be waiting) and give the interpreter back its GIL switch interval. Two
-        calls into xgrammar whatever the batch, never one per matcher."""
-        try:
-            if accepting:
-                _accept_tokens(accepting, tokens)
-            if rows:
-                _fill_bitmask(filling, bitmask, rows)
-        finally:
-            if counter is not None:
-                counter.raise_to(number)
-            sys.setswitchinterval(switch_interval)
+    def _start(self) -> GrammarWorker:
+        if self._worker is None:
+            info = self._tokenizer_info()
+            self._worker = GrammarWorker(info.serialize_json(),
+                                         xgrammar().get_bitmask_shape(1, self.vocab_size)[1],
+                                         self._pin)
+        return self._worker
 
     def _tokenizer_info(self) -> Any:
         if self._info is None:
-            xgr = _xgrammar()
+            xgr = xgrammar()
             self._info = xgr.TokenizerInfo.from_huggingface(self._tokenizer,
                                                             vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(self._info)
@@ -204,38 +193,43 @@ class GrammarCompiler:
     @cache  # noqa: B019 - one compiler per engine; grammars live as long as it
     def _compile(self, spec: StructuredOutput) -> Any:
         self._tokenizer_info()  # the compiler
-        schema = '{"type": "object"}' if spec.json_object else spec.json_schema
-        # bounded whitespace between tokens: a weak model under a grammar that allows any
-        # amount of it can fill max_tokens with blank lines and never close the object
-        return self._compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
+        return compile_grammar(self._compiler, spec)
+
+
+def compile_grammar(compiler: Any, spec: StructuredOutput) -> Any:
+    """``spec``'s grammar compiled by xgrammar's ``compiler``."""
+    schema = '{"type": "object"}' if spec.json_object else spec.json_schema
+    # bounded whitespace between tokens: a weak model under a grammar that allows any amount
+    # of it can fill max_tokens with blank lines and never close the object
+    return compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
 
 
 @dataclass(frozen=True)
 class GrammarMasks:
     """The token masks of one step's logits rows ``rows`` (the others are left as they are),
-    being filled on the grammar thread by ``job``, the compiler's ``number``-th."""
+    being filled by mask job ``number``: ``wait(number)`` returns once it has ended, and
+    ``counter`` (None: the host waits) reaches ``number`` then."""
 
-    job: Future[None]
     number: int
     bitmask: torch.Tensor
     rows: list[int]
+    wait: Callable[[int], None]
+    counter: HostCounter | None
 
     def result(self) -> None:
         """Wait for the masks; their job's error is raised here."""
-        self.job.result()
+        self.wait(self.number)
 
 
-# xgrammar's batch calls, made on the grammar thread straight into its core (on the core
-# matchers that ``GrammarCompiler.matcher`` gives). Its public wrappers turn the accept's
-# result into a Python list element by element, and every bytecode the grammar thread runs
-# competes for the GIL with the engine's thread: at 64 rows that cost more than the accepts
-# themselves.
-def _accept_tokens(matchers: list[Any], tokens: list[int]) -> None:
+# xgrammar's batch calls, made by the grammar worker straight into its core (on core matchers,
+# ``GrammarMatcher._handle``): its public wrappers turn the accept's result into a Python list
+# element by element, which at 64 rows costs more than the accepts themselves.
+def accept_tokens(matchers: list[Any], tokens: list[int]) -> None:
     """Advance each matcher by its token (one its grammar allowed: the result is not read)."""
-    _xgrammar().base._core.BatchGrammarMatcher.batch_accept_token(matchers, tokens, False)
+    xgrammar().base._core.BatchGrammarMatcher.batch_accept_token(matchers, tokens, False)
 
 
-def _fill_bitmask(matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
+def fill_bitmask(matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
     """Fill ``bitmask`` row ``rows[i]`` with the allowed tokens of ``matchers[i]``."""
     _batch_matcher()._handle.batch_fill_next_token_bitmask(matchers, bitmask, rows, False)
 
@@ -243,10 +237,10 @@ def _fill_bitmask(matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -
 @cache
 def _batch_matcher() -> Any:
     """xgrammar's multi-threaded filler of many matchers' bitmasks (one per process)."""
-    return _xgrammar().BatchGrammarMatcher()
+    return xgrammar().BatchGrammarMatcher()
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set, in place, every float32 ``logits`` entry whose bit in ``bitmask`` (int32 rows of
     ``GrammarMasks`` on the logits' device, one per logits row) is clear to -inf."""
-    _xgrammar().apply_token_bitmask_inplace(logits, bitmask)
+    xgrammar().apply_token_bitmask_inplace(logits, bitmask)

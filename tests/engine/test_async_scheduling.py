@@ -2,16 +2,19 @@
 but are those of synchronous steps (lengths, stops, seeds, sessions; penalties, sampled once
 the previous token is read; grammars, drawn at the next step once their masks are filled;
 logprobs and n > 1, which run synchronously); grammar rows are drawn once their masks are
-filled, however late, and a failed mask job fails the step that reads its tokens; an abort
-while a token is in flight reports nothing of it and frees every block."""
+filled, however late, and a failed mask job, or a grammar worker that dies, fails the step
+that reads its tokens; an abort while a token is in flight reports nothing of it and frees every
+block."""
 
 import json
-import time
+import os
+import signal
+import threading
 
 import pytest
 
-import engine.structured
 from engine import LLM, SamplingParams
+from engine.grammar_worker import GrammarWorker, MaskJob
 from engine.inflight import PLACEHOLDER
 from engine.structured import StructuredOutput
 
@@ -61,50 +64,72 @@ def test_grammars_penalties_logprobs_and_forks_sample_as_in_synchronous_steps(en
 
 def test_overlapped_grammar_rows_drawn_while_masks_fill_slowly_sample_as_synchronous(
         engines, monkeypatch) -> None:
-    """Every step overlaps (no logprobs, no forks); each fill of masks takes 5 ms more, so the
-    draw that needs them is made while they are still being filled."""
-    fill = engine.structured._fill_bitmask
-    calls = []
+    """Every step overlaps (no logprobs, no forks); each mask job reaches the grammar worker
+    5 ms late, so the draw that needs its masks is made while they are still being filled."""
+    submit = GrammarWorker.submit
+    jobs = []
 
-    def slow_fill(*args) -> None:
-        calls.append(1)
-        time.sleep(0.005)
-        fill(*args)
+    def late_submit(worker: GrammarWorker, job: MaskJob) -> None:
+        jobs.append(job.number)
+        threading.Timer(0.005, submit, (worker, job)).start()
 
-    monkeypatch.setattr(engine.structured, "_fill_bitmask", slow_fill)
+    monkeypatch.setattr(GrammarWorker, "submit", late_submit)
     params = [SamplingParams(temperature=0, max_tokens=30, structured=CITY),
               SamplingParams(temperature=0.8, seed=3, max_tokens=30, structured=CITY),
               SamplingParams(temperature=0, max_tokens=20, presence_penalty=1.0),
               SamplingParams(temperature=0, max_tokens=20)]
     sync, overlapped = _run(engines[False], params), _run(engines[True], params)
     assert overlapped == sync
-    assert len(calls) >= 10
+    assert len(jobs) >= 20
     assert all(json.loads(text)["city"] for _, text, *_ in sync[:2])
+
+
+def _constrained_tokens_until_a_step_fails(llm: LLM) -> tuple[list[int], str]:
+    """Run one constrained request step by step; the tokens returned before a step raised."""
+    llm.engine.add_request("r", _prompts(llm)[1], SamplingParams(temperature=0, max_tokens=20,
+                                                                 structured=CITY))
+    tokens: list[int] = []
+    with pytest.raises(RuntimeError) as raised:
+        while True:
+            tokens += [t for out in llm.engine.step() for t in out.outputs[0].token_ids]
+    return tokens, str(raised.value)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
 def test_a_failed_mask_job_fails_a_step_before_a_token_drawn_under_it_is_returned(
         monkeypatch, overlap: bool) -> None:
+    """The third job names a matcher the worker does not hold: the worker reports its error,
+    and no token drawn under that job's masks is returned."""
     llm = LLM("smollm2", max_model_len=512, num_kv_blocks=64, async_scheduling=overlap)
-    prompt = _prompts(llm)[1]
-    fill = engine.structured._fill_bitmask
-    fills = []
+    submit = GrammarWorker.submit
 
-    def failing_fill(*args) -> None:
-        fills.append(1)
-        if len(fills) == 3:
-            raise RuntimeError("the third fill failed")
-        fill(*args)
+    def third_fails(worker: GrammarWorker, job: MaskJob) -> None:
+        submit(worker, job._replace(filling=[10**9]) if job.number == 3 else job)
 
-    monkeypatch.setattr(engine.structured, "_fill_bitmask", failing_fill)
-    llm.engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=20,
-                                                       structured=CITY))
-    tokens = []
-    with pytest.raises(RuntimeError, match="the third fill failed"):
-        while True:
-            tokens += [t for out in llm.engine.step() for t in out.outputs[0].token_ids]
+    monkeypatch.setattr(GrammarWorker, "submit", third_fails)
+    tokens, error = _constrained_tokens_until_a_step_fails(llm)
+    assert error.startswith("grammar mask job failed: KeyError")
     # drawn under the first two masks (overlapped on the CPU, the second is lost: the step
     # that returns it raises when its draw waits for the third masks)
+    assert 1 <= len(tokens) <= 2
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
+def test_a_killed_grammar_worker_fails_the_next_step_instead_of_hanging(
+        monkeypatch, overlap: bool) -> None:
+    """The worker is killed as its third job is sent: the step waiting for that job raises an
+    error naming the worker's exit."""
+    llm = LLM("smollm2", max_model_len=512, num_kv_blocks=64, async_scheduling=overlap)
+    submit = GrammarWorker.submit
+
+    def kill_at_third(worker: GrammarWorker, job: MaskJob) -> None:
+        if job.number == 3:
+            os.kill(worker._proc.pid, signal.SIGKILL)
+        submit(worker, job)
+
+    monkeypatch.setattr(GrammarWorker, "submit", kill_at_third)
+    tokens, error = _constrained_tokens_until_a_step_fails(llm)
+    assert error == f"the grammar worker exited with code {-signal.SIGKILL} (its log says why)"
     assert 1 <= len(tokens) <= 2
 
 

@@ -2,7 +2,6 @@
 schema, with n > 1, seeds, and under preemption by recompute."""
 
 import json
-import sys
 
 import pytest
 import torch
@@ -73,15 +72,13 @@ def test_rows_without_a_grammar_are_not_masked_by_their_neighbours(llm: LLM) -> 
 def test_masks_follow_recorded_tokens_and_leave_other_rows_alone(llm: LLM) -> None:
     """A mask is filled after the matcher took the tokens recorded for it, and is the mask that
     matcher gives on its own; a row without a matcher, and a row whose matcher has just taken
-    its grammar's stop token, stay as they are; the interpreter's GIL switch interval is the
-    same after a mask job as before."""
+    its grammar's stop token, stay as they are."""
     tok = llm.tokenizer
     brace = tok.encode("{", add_special_tokens=False)[0]
     pair = tok.encode("{}", add_special_tokens=False)[0]
     grammars = GrammarCompiler(tok, llm.engine.vocab_size, torch.device("cpu"))
     spec = StructuredOutput(json_object=True)
     opened, fresh, ended = grammars.matcher(spec), grammars.matcher(spec), grammars.matcher(spec)
-    interval = sys.getswitchinterval()
     grammars.accept([opened, ended], [brace, pair])
     grammars.accept([ended], [tok.eos_token_id])  # "{}" then the stop token: it has ended
     logits = torch.zeros(4, llm.engine.vocab_size)
@@ -90,7 +87,6 @@ def test_masks_follow_recorded_tokens_and_leave_other_rows_alone(llm: LLM) -> No
     assert not allowed[0, brace] and allowed[2, brace]  # "{" opened row 0 only
     assert allowed[2].sum() < logits.shape[1] / 10  # a fresh object allows few tokens
     assert allowed[1].all() and allowed[3].all()
-    assert sys.getswitchinterval() == interval
     # the constrained rows are exactly what each matcher allows on its own
     import xgrammar as xgr
 
@@ -103,3 +99,24 @@ def test_masks_follow_recorded_tokens_and_leave_other_rows_alone(llm: LLM) -> No
         expected = torch.zeros(1, llm.engine.vocab_size)
         xgr.apply_token_bitmask_inplace(expected, bitmask)
         assert torch.equal(allowed[row], expected[0] > float("-inf"))
+
+
+def test_masks_of_more_rows_than_the_first_shared_bitmask_holds_are_filled(llm: LLM) -> None:
+    """Past the 64 rows the grammar worker's first bitmask holds, a larger one is shared with
+    it: every row of 150 gets its matcher's mask, and dropped matchers leave the rest alone."""
+    tok = llm.tokenizer
+    brace = tok.encode("{", add_special_tokens=False)[0]
+    grammars = GrammarCompiler(tok, llm.engine.vocab_size, torch.device("cpu"))
+    spec = StructuredOutput(json_object=True)
+    try:
+        for rows in (3, 150):
+            matchers = [grammars.matcher(spec) for _ in range(rows)]
+            grammars.accept(matchers[::2], [brace] * len(matchers[::2]))  # even rows opened
+            logits = torch.zeros(rows, llm.engine.vocab_size)
+            grammars.apply(grammars.masks(matchers), logits)
+            allowed = logits > float("-inf")
+            assert not allowed[::2, brace].any() and allowed[1::2, brace].all()
+            assert (allowed.sum(1) < logits.shape[1] / 10).all()
+            del matchers  # dropped: the worker forgets them with the next job
+    finally:
+        grammars.close()

@@ -1,0 +1,215 @@
+"""The grammar worker: a process of its own that holds the structured-output matchers and fills
+their token masks, so that neither xgrammar's work nor the Python around it competes with the
+engine's thread for the GIL.
+
+The engine (:class:`GrammarWorker`) and the worker (:func:`main`) share two memory mappings
+(memfds): a 32-bit job counter, and the bitmask rows (replaced by a larger one when a step has
+more rows: the job that first uses a bitmask sends it along). A job is one message
+(:class:`MaskJob`): the matchers it creates, the tokens matchers advance by, the rows to fill,
+and the matchers dropped since the last job. The worker advances, fills, then raises the counter
+to the job's number (whatever happened: a CUDA stream may be waiting on it, see
+``engine.stream_wait``) and answers with the job's error, if any. One job is outstanding at a
+time: the engine reads a job's answer (:meth:`GrammarWorker.wait`) before it sends the next.
+When the worker exits, a watcher thread raises the counter far ahead, so that no stream waits
+for it forever, and every later wait raises.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+
+from engine.stream_wait import HostCounter, register_host_memory, unregister_host_memory
+
+if TYPE_CHECKING:
+    from engine.structured import StructuredOutput
+
+MIN_BITMASK_ROWS = 64
+_AHEAD = 1 << 30  # how far past the last job a dead worker's counter is raised
+
+
+class MaskJob(NamedTuple):
+    """One job: map the bitmask sent after it if ``new_bitmask_rows`` (its row count), create
+    matchers ``created`` (id, grammar), advance matcher ``accepting[i]`` by ``tokens[i]``, fill
+    bitmask row ``rows[i]`` from matcher ``filling[i]``, forget matchers ``dropped``; then
+    raise the counter to ``number``."""
+
+    number: int
+    new_bitmask_rows: int
+    created: list[tuple[int, StructuredOutput]]
+    dropped: list[int]
+    accepting: list[int]
+    tokens: list[int]
+    filling: list[int]
+    rows: list[int]
+
+
+class GrammarWorker:
+    """The engine's end of the worker (see the module docstring). ``counter`` is the job
+    counter a CUDA stream can wait on, None where the host must wait for a job's answer instead
+    (``pin`` false, as on a CPU, or no driver support); ``pin`` also page-locks the bitmask,
+    which the stream then copies from."""
+
+    def __init__(self, tokenizer_info: str, words: int, pin: bool) -> None:
+        """``tokenizer_info``: xgrammar's ``TokenizerInfo``, serialized; ``words``: int32 per
+        bitmask row."""
+        self.words = words
+        counter_fd = os.memfd_create("chatgate-grammar-counter")
+        info_fd = os.memfd_create("chatgate-tokenizer-info")
+        ours, theirs = socket.socketpair()
+        try:
+            os.ftruncate(counter_fd, mmap.PAGESIZE)
+            self._counter_mapping = mmap.mmap(counter_fd, mmap.PAGESIZE)
+            with os.fdopen(os.dup(info_fd), "wb") as info:
+                info.write(tokenizer_info.encode())
+            fds = (theirs.fileno(), counter_fd, info_fd)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", "from engine.grammar_worker import main; main()",
+                 *map(str, fds), str(words)],
+                pass_fds=fds)
+        finally:
+            theirs.close()
+            os.close(counter_fd)
+            os.close(info_fd)
+        self._conn = Connection(ours.detach())
+        self._pin = pin
+        counter = torch.frombuffer(self._counter_mapping, dtype=torch.int32)
+        self.counter = (HostCounter.create(counter[:1])
+                        if pin and register_host_memory(counter) else None)
+        self._bitmask = torch.empty(0, words, dtype=torch.int32)
+        self._bitmask_pinned = False
+        self._bitmask_fd: int | None = None  # a new bitmask's, until a job sends it
+        self._submitted = self._answered = 0
+        self._errors: dict[int, str] = {}
+        threading.Thread(target=_raise_when_exited, args=(self._proc, self.counter),
+                         name="grammar-worker-watch", daemon=True).start()
+
+    def bitmask(self, rows: int) -> torch.Tensor:
+        """The first ``rows`` rows of the shared bitmask (a larger one replaces it if it has
+        fewer: call before the job that fills them is made, and only once the last copy out
+        of it has ended)."""
+        if rows > self._bitmask.shape[0]:
+            size = max(rows, 2 * self._bitmask.shape[0], MIN_BITMASK_ROWS) * self.words * 4
+            fd = os.memfd_create("chatgate-grammar-bitmask")
+            os.ftruncate(fd, size)
+            memory = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.int32)
+            if self._bitmask_fd is not None:  # made since the last job: never sent
+                os.close(self._bitmask_fd)
+            if self._bitmask_pinned:
+                unregister_host_memory(self._bitmask)
+            self._bitmask_pinned = self._pin and register_host_memory(memory)
+            if not self._bitmask_pinned:  # a pageable source is read as the copy is queued
+                self.counter = None
+            self._bitmask, self._bitmask_fd = memory.view(-1, self.words), fd
+        return self._bitmask[:rows]
+
+    def submit(self, job: MaskJob) -> None:
+        """Send ``job`` (numbered one past the last, with a new bitmask's row count if
+        :meth:`bitmask` made one); the last job must have been waited for."""
+        assert job.number == self._submitted + 1 and self._answered == self._submitted
+        if self._proc.poll() is not None:
+            raise self._exited()
+        job = job._replace(new_bitmask_rows=self._bitmask.shape[0]
+                           if self._bitmask_fd is not None else 0)
+        try:
+            self._conn.send(tuple(job))
+            if self._bitmask_fd is not None:
+                send_handle(self._conn, self._bitmask_fd, self._proc.pid)
+        except OSError:
+            raise self._exited() from None
+        if self._bitmask_fd is not None:
+            os.close(self._bitmask_fd)
+            self._bitmask_fd = None
+        self._submitted = job.number
+
+    def wait(self, number: int) -> None:
+        """Wait until job ``number`` has ended; raise its error if it failed, or if the worker
+        exited before it ended."""
+        while self._answered < number:
+            try:
+                self._answered, error = self._conn.recv()
+            except (EOFError, OSError):
+                raise self._exited() from None
+            if error is not None:
+                self._errors[self._answered] = error
+        if number in self._errors:
+            raise RuntimeError(f"grammar mask job failed: {self._errors[number]}")
+
+    def close(self) -> None:
+        """Stop the worker (it exits when its end of the socket closes)."""
+        self._conn.close()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def _exited(self) -> RuntimeError:
+        code = self._proc.wait()
+        return RuntimeError(f"the grammar worker exited with code {code} (its log says why)")
+
+
+def _raise_when_exited(proc: subprocess.Popen[bytes], counter: HostCounter | None) -> None:
+    """Once the worker has exited, raise ``counter`` past any job, so that no stream waits
+    forever (the job outstanding, if any, is at most one past the counter)."""
+    proc.wait()
+    if counter is not None:
+        counter.raise_to(counter.value + _AHEAD)
+
+
+def main() -> None:
+    """The worker process, with arguments ``SOCKET COUNTER INFO WORDS`` (inherited file
+    descriptors: the socket to the engine, the counter's mapping, the serialized tokenizer
+    info; int32 words per bitmask row). Serves jobs until the engine's end of the socket
+    closes."""
+    from engine.structured import accept_tokens, compile_grammar, fill_bitmask, xgrammar
+
+    socket_fd, counter_fd, info_fd, words = map(int, sys.argv[1:5])
+    conn = Connection(socket_fd)
+    with os.fdopen(info_fd, "rb") as info:
+        info.seek(0)  # the engine's write left the shared offset at the end
+        tokenizer_info = info.read().decode()
+    counter = np.frombuffer(mmap.mmap(counter_fd, mmap.PAGESIZE), dtype=np.uint32, count=1)
+    os.close(counter_fd)
+    bitmask = torch.empty(0, words, dtype=torch.int32)
+    xgr = xgrammar()
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info))
+    grammars: dict[StructuredOutput, object] = {}
+    matchers: dict[int, object] = {}
+    while True:
+        try:
+            job = MaskJob(*conn.recv())
+            if job.new_bitmask_rows:
+                fd = recv_handle(conn)
+                size = job.new_bitmask_rows * words * 4
+                bitmask = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.int32).view(-1, words)
+                os.close(fd)
+        except EOFError:
+            return
+        error = None
+        try:
+            for matcher_id, spec in job.created:
+                if spec not in grammars:
+                    grammars[spec] = compile_grammar(compiler, spec)
+                matchers[matcher_id] = xgr.GrammarMatcher(grammars[spec])._handle
+            if job.accepting:
+                accept_tokens([matchers[i] for i in job.accepting], job.tokens)
+            if job.rows:
+                fill_bitmask([matchers[i] for i in job.filling], bitmask, job.rows)
+            for matcher_id in job.dropped:
+                del matchers[matcher_id]
+        except Exception as e:  # the engine raises it where the masks are used
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            counter[0] = job.number & 0xFFFFFFFF
+        conn.send((job.number, error))
