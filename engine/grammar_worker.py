@@ -132,6 +132,11 @@ class GrammarWorker:
             self._bitmask_fd = None
         self._submitted = job.number
 
+    @property
+    def exit_code(self) -> int | None:
+        """The worker's exit code once it has exited, else None."""
+        return self._proc.poll()
+
     def wait(self, number: int) -> None:
         """Wait until job ``number`` has ended; raise its error if it failed, or if the worker
         exited before it ended."""
@@ -207,7 +212,7 @@ def main() -> None:
             if job.rows:
                 fill_bitmask([matchers[i] for i in job.filling], bitmask, job.rows)
             for matcher_id in job.dropped:
-                del matchers[matcher_id]
+                matchers.pop(matcher_id, None)  # (made by a worker before this one: never here)
         except Exception as e:  # the engine raises it where the masks are used
             error = f"{type(e).__name__}: {e}"
         finally:

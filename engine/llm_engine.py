@@ -254,11 +254,12 @@ class LLMEngine:
         params = [seq.params for seq in sampled]
         keys = [self._key(seq) for seq in sampled]
         histories = self._histories(sampled)
-        self._inflight = InflightStep.launch(sampled, masks)
-        if self._inflight is None:  # every row finished: nothing to draw
+        inflight = InflightStep.launch(sampled, masks)
+        if inflight is None:  # every row finished: nothing to draw
             return
         tokens = self._draw(logits, params, keys, histories, masks, self.runner.last_graph_size)
-        self._inflight.drawn(*self.runner.keep_sampled(tokens))
+        inflight.drawn(*self.runner.keep_sampled(tokens))
+        self._inflight = inflight  # only once drawn: a draw that raised leaves none in flight
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams],
               keys: list[int | None], histories: list[tuple[list[int], list[int]]],

@@ -15,6 +15,7 @@ engine runs without it until a request asks for structured output.
 from __future__ import annotations
 
 import json
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from engine.grammar_worker import GrammarWorker, MaskJob
 from engine.stream_wait import HostCounter
 
 MAX_WHITESPACE = 16  # whitespace characters allowed between two JSON tokens
+
+logger = logging.getLogger("engine")
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,14 @@ def xgrammar() -> Any:
 
 
 class Matcher:
-    """A grammar matcher, held by the grammar worker and known here by its ``id``; the worker
-    forgets it once this handle is collected (``GrammarCompiler.matcher``)."""
+    """A grammar matcher, held by grammar worker number ``worker`` and known here by its
+    ``id``; the worker forgets it once this handle is collected (``GrammarCompiler.matcher``)."""
 
-    __slots__ = ("id", "__weakref__")
+    __slots__ = ("id", "worker", "__weakref__")
 
-    def __init__(self, matcher_id: int) -> None:
+    def __init__(self, matcher_id: int, worker: int) -> None:
         self.id = matcher_id
+        self.worker = worker
 
 
 class GrammarCompiler:
@@ -75,7 +79,9 @@ class GrammarCompiler:
     :meth:`accept` only records each matcher's token; the next :meth:`masks` job advances the
     matchers by them before it fills any mask. One mask job is outstanding at a time (the next
     waits for it). On a GPU, a stream waits for a job's counter before it copies the masks in
-    (:meth:`to_device`); elsewhere the host waits for the job's answer."""
+    (:meth:`to_device`); elsewhere the host waits for the job's answer. A worker that exits
+    fails the step waiting for it; the next :meth:`masks` starts a new one, which serves the
+    matchers made since (those the old one held cannot go on: masks for them raise)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device) -> None:
         """``device``: where the logits are (the bitmask is page-locked for a GPU)."""
@@ -85,8 +91,9 @@ class GrammarCompiler:
         self._compiler: Any = None
         self._info: Any = None
         self._worker: GrammarWorker | None = None  # started with the first mask job
+        self._num_workers = 1  # the number of the worker that holds the matchers made now
         self._num_matchers = self._num_jobs = 0
-        self._created: list[tuple[int, StructuredOutput]] = []
+        self._created: list[tuple[Matcher, StructuredOutput]] = []
         self._dropped: list[int] = []  # appended to by the matchers' finalizers
         self._accepted: list[tuple[Matcher, int]] = []
         # the end of the last copy out of the shared bitmask, which a refill waits for
@@ -106,9 +113,9 @@ class GrammarCompiler:
         except RuntimeError as e:  # xgrammar's error for a schema it cannot handle
             raise ValueError(f"json_schema cannot be compiled: {e}") from None
         self._num_matchers += 1
-        matcher = Matcher(self._num_matchers)
+        matcher = Matcher(self._num_matchers, self._num_workers)
         weakref.finalize(matcher, self._dropped.append, matcher.id).atexit = False
-        self._created.append((matcher.id, spec))
+        self._created.append((matcher, spec))
         return matcher
 
     def accept(self, matchers: Sequence[Matcher], tokens: Sequence[int]) -> None:
@@ -121,6 +128,10 @@ class GrammarCompiler:
         row ``i`` is masked by ``matchers[i]`` (None, or a matcher whose last token ended its
         grammar: all tokens allowed). The recorded tokens are accepted first."""
         worker = self._start()
+        lost = sum(m is not None and m.worker != self._num_workers for m in matchers)
+        if lost:
+            raise RuntimeError(f"the grammar worker that held the grammar state of {lost} "
+                               "rows exited; they cannot go on")
         worker.wait(self._num_jobs)  # the last job (its error is raised here)
         if self._copied is not None:
             # the last copy out of the bitmask has read it (done by now: a job starts after the
@@ -133,7 +144,8 @@ class GrammarCompiler:
         if len(rows) < len(matchers):
             masked = set(rows)
             bitmask[[i for i in range(len(matchers)) if i not in masked]] = -1  # all allowed
-        created, self._created = self._created, []
+        created = [(m.id, spec) for m, spec in self._created]
+        self._created = []
         dropped = self._dropped[:]
         del self._dropped[:len(dropped)]
         self._num_jobs += 1
@@ -175,6 +187,19 @@ class GrammarCompiler:
             self._worker.close()
 
     def _start(self) -> GrammarWorker:
+        """The worker, started now if there is none or the last one exited."""
+        if self._worker is not None and self._worker.exit_code is not None:
+            logger.warning("the grammar worker exited with code %d; starting a new one",
+                           self._worker.exit_code)
+            if self._copied is not None:
+                self._copied.synchronize()  # (before the old bitmask goes)
+            self._worker.close()
+            self._worker = None
+            self._num_workers += 1
+            self._num_jobs = 0
+            self._accepted, self._dropped[:] = [], []
+            for matcher, _ in self._created:  # not sent yet: the new worker makes them
+                matcher.worker = self._num_workers
         if self._worker is None:
             info = self._tokenizer_info()
             self._worker = GrammarWorker(info.serialize_json(),

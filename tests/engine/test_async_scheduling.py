@@ -115,15 +115,22 @@ def test_a_failed_mask_job_fails_a_step_before_a_token_drawn_under_it_is_returne
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
-def test_a_killed_grammar_worker_fails_the_next_step_instead_of_hanging(
+def test_a_killed_grammar_worker_fails_the_step_waiting_for_it_and_a_new_one_serves_later(
         monkeypatch, overlap: bool) -> None:
-    """The worker is killed as its third job is sent: the step waiting for that job raises an
-    error naming the worker's exit."""
+    """The worker is killed as the third job of a request is sent: the step waiting for that
+    job raises an error naming the worker's exit instead of hanging. Once the request is
+    aborted (as the engine process does after a failed step), a new worker serves the same
+    request again, with the answer of an undisturbed run, and every block is free."""
     llm = LLM("smollm2", max_model_len=512, num_kv_blocks=64, async_scheduling=overlap)
+    params = SamplingParams(temperature=0, max_tokens=20, structured=CITY)
+    want = llm.generate([_prompts(llm)[1]], params)[0].outputs[0].token_ids
+    first = llm.engine._grammar_compiler._worker
     submit = GrammarWorker.submit
+    submitted = []
 
     def kill_at_third(worker: GrammarWorker, job: MaskJob) -> None:
-        if job.number == 3:
+        submitted.append(job.number)
+        if len(submitted) == 3:
             os.kill(worker._proc.pid, signal.SIGKILL)
         submit(worker, job)
 
@@ -131,6 +138,11 @@ def test_a_killed_grammar_worker_fails_the_next_step_instead_of_hanging(
     tokens, error = _constrained_tokens_until_a_step_fails(llm)
     assert error == f"the grammar worker exited with code {-signal.SIGKILL} (its log says why)"
     assert 1 <= len(tokens) <= 2
+    for request_id in list(llm.engine.requests):
+        llm.engine.abort(request_id)
+    assert llm.generate([_prompts(llm)[1]], params)[0].outputs[0].token_ids == want
+    assert llm.engine._grammar_compiler._worker is not first
+    assert llm.engine.kv.pool.num_used == 0
 
 
 def test_an_overlapped_step_reports_the_step_before() -> None:
