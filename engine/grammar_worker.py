@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import TYPE_CHECKING, NamedTuple
@@ -39,19 +40,19 @@ _AHEAD = 1 << 30  # how far past the last job a dead worker's counter is raised
 
 
 class MaskJob(NamedTuple):
-    """One job: map the bitmask sent after it if ``new_bitmask_rows`` (its row count), create
-    matchers ``created`` (id, grammar), advance matcher ``accepting[i]`` by ``tokens[i]``, fill
-    bitmask row ``rows[i]`` from matcher ``filling[i]``, forget matchers ``dropped``; then
-    raise the counter to ``number``."""
+    """One job: map the bitmask sent after it if ``new_bitmask_rows`` (its row count, set by
+    :meth:`GrammarWorker.submit`), create matchers ``created`` (id, grammar), advance matcher
+    ``accepting[i]`` by ``tokens[i]``, fill bitmask row ``rows[i]`` from matcher
+    ``filling[i]``, forget matchers ``dropped``; then raise the counter to ``number``."""
 
     number: int
-    new_bitmask_rows: int
     created: list[tuple[int, StructuredOutput]]
     dropped: list[int]
     accepting: list[int]
     tokens: list[int]
     filling: list[int]
     rows: list[int]
+    new_bitmask_rows: int = 0
 
 
 class GrammarWorker:
@@ -83,11 +84,15 @@ class GrammarWorker:
             os.close(info_fd)
         self._conn = Connection(ours.detach())
         self._pin = pin
+        self._pinned: list[torch.Tensor] = []  # page-locked memory, unlocked by close
+        self._close = weakref.finalize(self, _close, self._conn, self._proc, self._pinned)
+        self._close.atexit = False  # (at exit the worker sees the socket close)
         counter = torch.frombuffer(self._counter_mapping, dtype=torch.int32)
-        self.counter = (HostCounter.create(counter[:1])
-                        if pin and register_host_memory(counter) else None)
+        self.counter = None
+        if pin and register_host_memory(counter):
+            self._pinned.append(counter)
+            self.counter = HostCounter.create(counter[:1])
         self._bitmask = torch.empty(0, words, dtype=torch.int32)
-        self._bitmask_pinned = False
         self._bitmask_fd: int | None = None  # a new bitmask's, until a job sends it
         self._submitted = self._answered = 0
         self._errors: dict[int, str] = {}
@@ -105,12 +110,13 @@ class GrammarWorker:
             memory = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.int32)
             if self._bitmask_fd is not None:  # made since the last job: never sent
                 os.close(self._bitmask_fd)
-            if self._bitmask_pinned:
-                unregister_host_memory(self._bitmask)
-            self._bitmask_pinned = self._pin and register_host_memory(memory)
-            if not self._bitmask_pinned:  # a pageable source is read as the copy is queued
-                self.counter = None
+            if self._pinned and self._pinned[-1] is self._bitmask:
+                unregister_host_memory(self._pinned.pop())
             self._bitmask, self._bitmask_fd = memory.view(-1, self.words), fd
+            if self._pin and register_host_memory(self._bitmask):
+                self._pinned.append(self._bitmask)
+            else:  # a pageable source is read as its copy is queued: the host must wait
+                self.counter = None
         return self._bitmask[:rows]
 
     def submit(self, job: MaskJob) -> None:
@@ -151,17 +157,24 @@ class GrammarWorker:
             raise RuntimeError(f"grammar mask job failed: {self._errors[number]}")
 
     def close(self) -> None:
-        """Stop the worker (it exits when its end of the socket closes)."""
-        self._conn.close()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        """Stop the worker (it exits when its end of the socket closes) and unlock the shared
+        memory (no copy out of it may still be queued); also done when this is collected."""
+        self._close()
 
     def _exited(self) -> RuntimeError:
         code = self._proc.wait()
         return RuntimeError(f"the grammar worker exited with code {code} (its log says why)")
+
+
+def _close(conn: Connection, proc: subprocess.Popen[bytes], pinned: list[torch.Tensor]) -> None:
+    conn.close()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    while pinned:
+        unregister_host_memory(pinned.pop())
 
 
 def _raise_when_exited(proc: subprocess.Popen[bytes], counter: HostCounter | None) -> None:
@@ -199,7 +212,7 @@ def main() -> None:
                 size = job.new_bitmask_rows * words * 4
                 bitmask = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.int32).view(-1, words)
                 os.close(fd)
-        except EOFError:
+        except (EOFError, OSError):  # the engine's end closed
             return
         error = None
         try:

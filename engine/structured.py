@@ -149,7 +149,7 @@ class GrammarCompiler:
         dropped = self._dropped[:]
         del self._dropped[:len(dropped)]
         self._num_jobs += 1
-        worker.submit(MaskJob(self._num_jobs, 0, created, dropped, [m.id for m, _ in accepted],
+        worker.submit(MaskJob(self._num_jobs, created, dropped, [m.id for m, _ in accepted],
                               [token for _, token in accepted],
                               [matchers[i].id for i in rows], rows))  # type: ignore[union-attr]
         return GrammarMasks(self._num_jobs, bitmask, rows, worker.wait, worker.counter)
@@ -184,6 +184,8 @@ class GrammarCompiler:
     def close(self) -> None:
         """Stop the grammar worker, if started; no mask job after this."""
         if self._worker is not None:
+            if self._copied is not None:
+                self._copied.synchronize()  # (before the bitmask is unlocked)
             self._worker.close()
 
     def _start(self) -> GrammarWorker:
@@ -191,9 +193,7 @@ class GrammarCompiler:
         if self._worker is not None and self._worker.exit_code is not None:
             logger.warning("the grammar worker exited with code %d; starting a new one",
                            self._worker.exit_code)
-            if self._copied is not None:
-                self._copied.synchronize()  # (before the old bitmask goes)
-            self._worker.close()
+            self.close()
             self._worker = None
             self._num_workers += 1
             self._num_jobs = 0
