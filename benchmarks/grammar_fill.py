@@ -1,6 +1,6 @@
 """The grammar worker's two xgrammar calls a step (accept the rows' tokens, fill their masks),
 timed alone and beside a busy Python thread, through xgrammar's public wrappers and through
-the calls the grammar worker makes (``engine.structured``: straight into xgrammar's core).
+the calls the grammar worker makes (``engine.grammar_process``: straight into xgrammar's core).
 
 ``--num-matchers`` matchers of structured.py's schema (compiled as the engine compiles it)
 walk through valid answers token by token; each step's accept + fill runs on a thread of its
@@ -53,10 +53,10 @@ def wrapper_calls() -> tuple[Callable, Callable, Callable]:
 def engine_calls() -> tuple[Callable, Callable, Callable]:
     """The same as the grammar worker makes them: on xgrammar's core matchers (the worker's
     matchers are those from the start)."""
-    from engine import structured
+    from engine import grammar_process
 
-    return (lambda ms: [m._handle for m in ms], structured.accept_tokens,
-            structured.fill_bitmask)
+    return (lambda ms: [m._handle for m in ms], grammar_process.accept_tokens,
+            grammar_process.fill_bitmask)
 
 
 def walk(grammar: Any, tokens: list[list[int]], calls: tuple[Callable, Callable, Callable],

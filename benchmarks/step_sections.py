@@ -65,7 +65,7 @@ def instrument(engine: Any) -> None:
         engine.draw_graphs._capture = timed(engine.draw_graphs._capture, "capture")
     grammars = engine._grammars()
     grammars.to_device = timed(grammars.to_device, "to_device")
-    worker = grammars._start()
+    worker = grammars.start()
     worker.submit = timed(worker.submit, "submit(job)")
     worker.wait = timed(worker.wait, "wait(job)")
 

@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         outbox.close()  # lingers until the message is out
         context.term()
         return 1
+    engine.start_grammar_worker()  # its imports run while the gateway connects
     # Everything alive now (model, tokenizer, modules) lives as long as the process: keep it
     # out of the collector's full passes, which would otherwise stall steps for 100+ ms.
     gc.collect()

@@ -2,10 +2,11 @@
 their token masks, so that neither xgrammar's work nor the Python around it competes with the
 engine's thread for the GIL.
 
-The engine (:class:`GrammarWorker`) and the worker (:func:`main`) share two memory mappings
+The engine (:class:`GrammarWorker`) and the worker (``engine/grammar_process.py``, run by its
+path so that it imports only xgrammar, torch and numpy) share two memory mappings
 (memfds): a 32-bit job counter, and the bitmask rows (replaced by a larger one when a step has
 more rows: the job that first uses a bitmask sends it along). A job is one message
-(:class:`MaskJob`): the matchers it creates, the tokens matchers advance by, the rows to fill,
+(``MaskJob``): the matchers it creates, the tokens matchers advance by, the rows to fill,
 and the matchers dropped since the last job. The worker advances, fills, then raises the counter
 to the job's number (whatever happened: a CUDA stream may be waiting on it, see
 ``engine.stream_wait``) and answers with the job's error, if any. One job is outstanding at a
@@ -24,35 +25,19 @@ import sys
 import threading
 import weakref
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle, send_handle
-from typing import TYPE_CHECKING, NamedTuple
+from multiprocessing.reduction import send_handle
+from pathlib import Path
 
-import numpy as np
 import torch
 
+from engine.grammar_process import MaskJob
 from engine.stream_wait import HostCounter, register_host_memory, unregister_host_memory
 
-if TYPE_CHECKING:
-    from engine.structured import StructuredOutput
-
+# the worker runs this file by its path, so that it imports none of the engine's package
+_PROCESS = Path(__file__).with_name("grammar_process.py")
+_RUN = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
 MIN_BITMASK_ROWS = 64
 _AHEAD = 1 << 30  # how far past the last job a dead worker's counter is raised
-
-
-class MaskJob(NamedTuple):
-    """One job: map the bitmask sent after it if ``new_bitmask_rows`` (its row count, set by
-    :meth:`GrammarWorker.submit`), create matchers ``created`` (id, grammar), advance matcher
-    ``accepting[i]`` by ``tokens[i]``, fill bitmask row ``rows[i]`` from matcher
-    ``filling[i]``, forget matchers ``dropped``; then raise the counter to ``number``."""
-
-    number: int
-    created: list[tuple[int, StructuredOutput]]
-    dropped: list[int]
-    accepting: list[int]
-    tokens: list[int]
-    filling: list[int]
-    rows: list[int]
-    new_bitmask_rows: int = 0
 
 
 class GrammarWorker:
@@ -75,8 +60,7 @@ class GrammarWorker:
                 info.write(tokenizer_info.encode())
             fds = (theirs.fileno(), counter_fd, info_fd)
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", "from engine.grammar_worker import main; main()",
-                 *map(str, fds), str(words)],
+                [sys.executable, "-c", _RUN, str(_PROCESS), *map(str, fds), str(words)],
                 pass_fds=fds)
         finally:
             theirs.close()
@@ -183,51 +167,3 @@ def _raise_when_exited(proc: subprocess.Popen[bytes], counter: HostCounter | Non
     proc.wait()
     if counter is not None:
         counter.raise_to(counter.value + _AHEAD)
-
-
-def main() -> None:
-    """The worker process, with arguments ``SOCKET COUNTER INFO WORDS`` (inherited file
-    descriptors: the socket to the engine, the counter's mapping, the serialized tokenizer
-    info; int32 words per bitmask row). Serves jobs until the engine's end of the socket
-    closes."""
-    from engine.structured import accept_tokens, compile_grammar, fill_bitmask, xgrammar
-
-    socket_fd, counter_fd, info_fd, words = map(int, sys.argv[1:5])
-    conn = Connection(socket_fd)
-    with os.fdopen(info_fd, "rb") as info:
-        info.seek(0)  # the engine's write left the shared offset at the end
-        tokenizer_info = info.read().decode()
-    counter = np.frombuffer(mmap.mmap(counter_fd, mmap.PAGESIZE), dtype=np.uint32, count=1)
-    os.close(counter_fd)
-    bitmask = torch.empty(0, words, dtype=torch.int32)
-    xgr = xgrammar()
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info))
-    grammars: dict[StructuredOutput, object] = {}
-    matchers: dict[int, object] = {}
-    while True:
-        try:
-            job = MaskJob(*conn.recv())
-            if job.new_bitmask_rows:
-                fd = recv_handle(conn)
-                size = job.new_bitmask_rows * words * 4
-                bitmask = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.int32).view(-1, words)
-                os.close(fd)
-        except (EOFError, OSError):  # the engine's end closed
-            return
-        error = None
-        try:
-            for matcher_id, spec in job.created:
-                if spec not in grammars:
-                    grammars[spec] = compile_grammar(compiler, spec)
-                matchers[matcher_id] = xgr.GrammarMatcher(grammars[spec])._handle
-            if job.accepting:
-                accept_tokens([matchers[i] for i in job.accepting], job.tokens)
-            if job.rows:
-                fill_bitmask([matchers[i] for i in job.filling], bitmask, job.rows)
-            for matcher_id in job.dropped:
-                matchers.pop(matcher_id, None)  # (made by a worker before this one: never here)
-        except Exception as e:  # the engine raises it where the masks are used
-            error = f"{type(e).__name__}: {e}"
-        finally:
-            counter[0] = job.number & 0xFFFFFFFF
-        conn.send((job.number, error))

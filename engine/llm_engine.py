@@ -15,6 +15,7 @@ Not thread-safe: exactly one thread drives it (the caller of ``LLM``, or the loo
 process, ``engine.core``).
 """
 
+import importlib.util
 import logging
 import weakref
 
@@ -182,6 +183,18 @@ class LLMEngine:
         without tensor parallelism)."""
         tp = self.runner.tp
         return [proc.sentinel for proc in tp.workers] if tp is not None else []
+
+    def start_grammar_worker(self) -> None:
+        """Start the grammar worker now, not with the first structured request, whose steps
+        would wait for its start (seconds) with every request in them; the engine process does
+        this. Nothing without a tokenizer or xgrammar; a failure is logged (structured requests
+        meet it again)."""
+        if self.tokenizer is None or importlib.util.find_spec("xgrammar") is None:
+            return
+        try:
+            self._grammars().start()
+        except Exception:  # noqa: BLE001 - the engine serves unconstrained requests regardless
+            logger.exception("the grammar worker could not start")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and the grammar worker, if any (also done when the

@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 
-from engine.grammar_worker import GrammarWorker, MaskJob
+from engine.grammar_process import MaskJob, compile_json_schema
+from engine.grammar_worker import GrammarWorker
 from engine.stream_wait import HostCounter
-
-MAX_WHITESPACE = 16  # whitespace characters allowed between two JSON tokens
 
 logger = logging.getLogger("engine")
 
@@ -48,6 +47,11 @@ class StructuredOutput:
                 json.loads(self.json_schema)
             except ValueError as e:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from None
+
+    @property
+    def schema(self) -> str:
+        """The JSON Schema to compile (any object for ``json_object``)."""
+        return self.json_schema if self.json_schema is not None else '{"type": "object"}'
 
 
 def xgrammar() -> Any:
@@ -127,7 +131,7 @@ class GrammarCompiler:
         """Start filling, in the grammar worker, the token masks of one logits row per matcher:
         row ``i`` is masked by ``matchers[i]`` (None, or a matcher whose last token ended its
         grammar: all tokens allowed). The recorded tokens are accepted first."""
-        worker = self._start()
+        worker = self.start()
         lost = sum(m is not None and m.worker != self._num_workers for m in matchers)
         if lost:
             raise RuntimeError(f"the grammar worker that held the grammar state of {lost} "
@@ -144,7 +148,7 @@ class GrammarCompiler:
         if len(rows) < len(matchers):
             masked = set(rows)
             bitmask[[i for i in range(len(matchers)) if i not in masked]] = -1  # all allowed
-        created = [(m.id, spec) for m, spec in self._created]
+        created = [(m.id, spec.schema) for m, spec in self._created]
         self._created = []
         dropped = self._dropped[:]
         del self._dropped[:len(dropped)]
@@ -188,7 +192,7 @@ class GrammarCompiler:
                 self._copied.synchronize()  # (before the bitmask is unlocked)
             self._worker.close()
 
-    def _start(self) -> GrammarWorker:
+    def start(self) -> GrammarWorker:
         """The worker, started now if there is none or the last one exited."""
         if self._worker is not None and self._worker.exit_code is not None:
             logger.warning("the grammar worker exited with code %d; starting a new one",
@@ -218,15 +222,7 @@ class GrammarCompiler:
     @cache  # noqa: B019 - one compiler per engine; grammars live as long as it
     def _compile(self, spec: StructuredOutput) -> Any:
         self._tokenizer_info()  # the compiler
-        return compile_grammar(self._compiler, spec)
-
-
-def compile_grammar(compiler: Any, spec: StructuredOutput) -> Any:
-    """``spec``'s grammar compiled by xgrammar's ``compiler``."""
-    schema = '{"type": "object"}' if spec.json_object else spec.json_schema
-    # bounded whitespace between tokens: a weak model under a grammar that allows any amount
-    # of it can fill max_tokens with blank lines and never close the object
-    return compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
+        return compile_json_schema(self._compiler, spec.schema)
 
 
 @dataclass(frozen=True)
@@ -244,25 +240,6 @@ class GrammarMasks:
     def result(self) -> None:
         """Wait for the masks; their job's error is raised here."""
         self.wait(self.number)
-
-
-# xgrammar's batch calls, made by the grammar worker straight into its core (on core matchers,
-# ``GrammarMatcher._handle``): its public wrappers turn the accept's result into a Python list
-# element by element, which at 64 rows costs more than the accepts themselves.
-def accept_tokens(matchers: list[Any], tokens: list[int]) -> None:
-    """Advance each matcher by its token (one its grammar allowed: the result is not read)."""
-    xgrammar().base._core.BatchGrammarMatcher.batch_accept_token(matchers, tokens, False)
-
-
-def fill_bitmask(matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Fill ``bitmask`` row ``rows[i]`` with the allowed tokens of ``matchers[i]``."""
-    _batch_matcher()._handle.batch_fill_next_token_bitmask(matchers, bitmask, rows, False)
-
-
-@cache
-def _batch_matcher() -> Any:
-    """xgrammar's multi-threaded filler of many matchers' bitmasks (one per process)."""
-    return xgrammar().BatchGrammarMatcher()
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

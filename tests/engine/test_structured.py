@@ -120,3 +120,17 @@ def test_masks_of_more_rows_than_the_first_shared_bitmask_holds_are_filled(llm: 
             del matchers  # dropped: the worker forgets them with the next job
     finally:
         grammars.close()
+
+
+def test_a_grammar_worker_started_ahead_serves_the_first_structured_request() -> None:
+    """``start_grammar_worker`` (the engine process calls it at start) starts the worker before
+    any structured request; the first one is served by that worker."""
+    llm = LLM("smollm2", max_model_len=512, num_kv_blocks=64)
+    llm.engine.start_grammar_worker()
+    worker = llm.engine._grammar_compiler._worker
+    assert worker is not None and worker.exit_code is None
+    out = llm.chat([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=120,
+                                                structured=StructuredOutput(
+                                                    json_schema=json.dumps(SCHEMA))))
+    check(out)
+    assert llm.engine._grammar_compiler._worker is worker
