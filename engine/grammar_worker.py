@@ -33,7 +33,7 @@ import torch
 from engine.grammar_process import MaskJob
 from engine.stream_wait import HostCounter, register_host_memory, unregister_host_memory
 
-# the worker runs this file by its path, so that it imports none of the engine's package
+# the worker runs grammar_process.py by its path, so that it imports none of the engine's package
 _PROCESS = Path(__file__).with_name("grammar_process.py")
 _RUN = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
 MIN_BITMASK_ROWS = 64
