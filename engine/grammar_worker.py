@@ -80,6 +80,8 @@ class GrammarWorker:
         self._bitmask_fd: int | None = None  # a new bitmask's, until a job sends it
         self._submitted = self._answered = 0
         self._errors: dict[int, str] = {}
+        # set once a send or a wait has found the worker gone (no system call a step to ask)
+        self.exit_code: int | None = None
         threading.Thread(target=_raise_when_exited, args=(self._proc, self.counter),
                          name="grammar-worker-watch", daemon=True).start()
 
@@ -107,8 +109,6 @@ class GrammarWorker:
         """Send ``job`` (numbered one past the last, with a new bitmask's row count if
         :meth:`bitmask` made one); the last job must have been waited for."""
         assert job.number == self._submitted + 1 and self._answered == self._submitted
-        if self._proc.poll() is not None:
-            raise self._exited()
         job = job._replace(new_bitmask_rows=self._bitmask.shape[0]
                            if self._bitmask_fd is not None else 0)
         try:
@@ -121,11 +121,6 @@ class GrammarWorker:
             os.close(self._bitmask_fd)
             self._bitmask_fd = None
         self._submitted = job.number
-
-    @property
-    def exit_code(self) -> int | None:
-        """The worker's exit code once it has exited, else None."""
-        return self._proc.poll()
 
     def wait(self, number: int) -> None:
         """Wait until job ``number`` has ended; raise its error if it failed, or if the worker
@@ -146,8 +141,10 @@ class GrammarWorker:
         self._close()
 
     def _exited(self) -> RuntimeError:
-        code = self._proc.wait()
-        return RuntimeError(f"the grammar worker exited with code {code} (its log says why)")
+        """The error for a worker found gone (its socket closed); sets ``exit_code``."""
+        self.exit_code = self._proc.wait()
+        return RuntimeError(f"the grammar worker exited with code {self.exit_code} (its log "
+                            "says why)")
 
 
 def _close(conn: Connection, proc: subprocess.Popen[bytes], pinned: list[torch.Tensor]) -> None:

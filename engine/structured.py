@@ -132,7 +132,8 @@ class GrammarCompiler:
         row ``i`` is masked by ``matchers[i]`` (None, or a matcher whose last token ended its
         grammar: all tokens allowed). The recorded tokens are accepted first."""
         worker = self.start()
-        lost = sum(m is not None and m.worker != self._num_workers for m in matchers)
+        lost = (sum(m is not None and m.worker != self._num_workers for m in matchers)
+                if self._num_workers > 1 else 0)  # (only a replaced worker leaves any)
         if lost:
             raise RuntimeError(f"the grammar worker that held the grammar state of {lost} "
                                "rows exited; they cannot go on")
@@ -193,7 +194,7 @@ class GrammarCompiler:
             self._worker.close()
 
     def start(self) -> GrammarWorker:
-        """The worker, started now if there is none or the last one exited."""
+        """The worker, started now if there is none or the last one was found gone."""
         if self._worker is not None and self._worker.exit_code is not None:
             logger.warning("the grammar worker exited with code %d; starting a new one",
                            self._worker.exit_code)
