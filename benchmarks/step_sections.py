@@ -34,6 +34,10 @@ from benchmarks.structured import SCHEMA, conversations  # noqa: E402
 TIMES: collections.defaultdict[str, float] = collections.defaultdict(float)
 CALLS: collections.Counter[str] = collections.Counter()
 READS: list[float] = []  # each read of a step's tokens, seconds
+READ_AT: list[float] = []  # when each read of a step's tokens ended (perf_counter)
+SENT: list[float] = []  # when each mask job was sent
+JOBS: list[tuple[float, float]] = []  # each job's (received, done) in the worker
+STALLS: list = []  # (start, end) CUDA events around each device wait for masks
 
 
 def timed(fn: Callable, label: str, durations: list[float] | None = None) -> Callable:
@@ -66,8 +70,61 @@ def instrument(engine: Any) -> None:
     grammars = engine._grammars()
     grammars.to_device = timed(grammars.to_device, "to_device")
     worker = grammars.start()
-    worker.submit = timed(worker.submit, "submit(job)")
-    worker.wait = timed(worker.wait, "wait(job)")
+    submit = timed(worker.submit, "submit(job)")
+
+    def submit_at(job: Any) -> None:
+        SENT.append(time.perf_counter())
+        submit(job)
+    worker.submit = submit_at
+    inner_wait = timed(worker.wait, "wait(job)")
+
+    def wait(number: int) -> None:
+        inner_wait(number)
+        if worker.last_job_times and len(JOBS) < len(SENT):
+            JOBS.append(tuple(worker.last_job_times))
+    worker.wait = wait
+    read = engine._read_inflight
+
+    def read_at() -> Any:
+        try:
+            return read()
+        finally:
+            READ_AT.append(time.perf_counter())
+    engine._read_inflight = read_at
+    counter = worker.counter
+    if counter is not None:  # the device's waits for masks, timed on the device
+        import torch
+        stream_wait = counter.stream_wait
+
+        def timed_stream_wait(value: int) -> None:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            stream_wait(value)
+            end.record()
+            STALLS.append((start, end))
+        counter.stream_wait = timed_stream_wait
+
+
+def job_latencies(log: Callable[[str], None]) -> None:
+    """The mask jobs' path, medians over a run: from the read of a step's tokens to the job
+    sent, from sent to received by the worker, the worker's work (accept + fill), and the
+    device's wait for the masks."""
+    def median_ms(values: list[float]) -> str:
+        return f"{sorted(values)[len(values) // 2] * 1e3:.3f}" if values else "-"
+
+    reads = [max((r for r in READ_AT if r <= sent), default=None) for sent in SENT]
+    to_send = [sent - r for sent, r in zip(SENT, reads, strict=True) if r is not None]
+    pairs = list(zip(SENT, JOBS, strict=False))
+    to_worker = [received - sent for sent, (received, _) in pairs]
+    busy = [done - received for received, done in JOBS]
+    if STALLS:
+        import torch
+        torch.cuda.synchronize()
+    stalls = [start.elapsed_time(end) / 1e3 for start, end in STALLS]
+    log(f"   mask job, median ms: read->sent {median_ms(to_send)}, sent->worker "
+        f"{median_ms(to_worker)}, worker accept+fill {median_ms(busy)}, device waits for "
+        f"masks {median_ms(stalls)} (sum {sum(stalls) * 1e3:.1f} ms over {len(stalls)})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,9 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         return SamplingParams(temperature=0.7, seed=seed, **kw)
 
     def run(label: str, plist: list[SamplingParams]) -> list:
-        TIMES.clear()
-        CALLS.clear()
-        READS.clear()
+        for record in (TIMES, CALLS, READS, READ_AT, SENT, JOBS, STALLS):
+            record.clear()
         if engine.runner.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -120,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             long = [w for w in READS if w > 1e-3]
             log(f"   reads of tokens over 1 ms: {len(long)} of {len(READS)}, "
                 f"{sum(long) * 1e3:.1f} ms in all, longest {max(READS) * 1e3:.2f} ms")
+        if SENT:
+            job_latencies(log)
         return outs
 
     llm.chat(convs[:2], params(0, max_tokens=8, structured=spec))  # compiles the grammar

@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import time
 from functools import cache
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -71,7 +72,9 @@ def main() -> None:
     """The worker process, with last arguments ``SOCKET COUNTER INFO WORDS`` (inherited file
     descriptors: the socket to the engine, the counter's mapping, the serialized tokenizer
     info; int32 words per bitmask row). Serves jobs until the engine's end of the socket
-    closes."""
+    closes; each answer is (job number, error or None, ``time.perf_counter()`` when the job
+    was received and when its counter was raised: the system's monotonic clock, which the
+    engine's process reads alike)."""
     import xgrammar as xgr
 
     socket_fd, counter_fd, info_fd, words = map(int, sys.argv[-4:])
@@ -88,6 +91,7 @@ def main() -> None:
     while True:
         try:
             job = MaskJob(*conn.recv())
+            received = time.perf_counter()
             if job.new_bitmask_rows:
                 fd = recv_handle(conn)
                 size = job.new_bitmask_rows * words * 4
@@ -111,7 +115,7 @@ def main() -> None:
             error = f"{type(e).__name__}: {e}"
         finally:
             counter[0] = job.number & 0xFFFFFFFF
-        conn.send((job.number, error))
+        conn.send((job.number, error, received, time.perf_counter()))
 
 
 if __name__ == "__main__":

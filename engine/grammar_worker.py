@@ -80,6 +80,8 @@ class GrammarWorker:
         self._bitmask_fd: int | None = None  # a new bitmask's, until a job sends it
         self._submitted = self._answered = 0
         self._errors: dict[int, str] = {}
+        # the last answered job's (received, done) ``time.perf_counter()`` in the worker
+        self.last_job_times: list[float] = []
         # set once a send or a wait has found the worker gone (no system call a step to ask)
         self.exit_code: int | None = None
         threading.Thread(target=_raise_when_exited, args=(self._proc, self.counter),
@@ -127,7 +129,7 @@ class GrammarWorker:
         exited before it ended."""
         while self._answered < number:
             try:
-                self._answered, error = self._conn.recv()
+                self._answered, error, *self.last_job_times = self._conn.recv()
             except (EOFError, OSError):
                 raise self._exited() from None
             if error is not None:
