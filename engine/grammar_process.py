@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickle
 import sys
 import time
 from functools import cache
@@ -115,7 +116,7 @@ def main() -> None:
             error = f"{type(e).__name__}: {e}"
         finally:
             counter[0] = job.number & 0xFFFFFFFF
-        conn.send((job.number, error, received, time.perf_counter()))
+        conn.send_bytes(pickle.dumps((job.number, error, received, time.perf_counter())))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -111,10 +112,10 @@ class GrammarWorker:
         """Send ``job`` (numbered one past the last, with a new bitmask's row count if
         :meth:`bitmask` made one); the last job must have been waited for."""
         assert job.number == self._submitted + 1 and self._answered == self._submitted
-        job = job._replace(new_bitmask_rows=self._bitmask.shape[0]
-                           if self._bitmask_fd is not None else 0)
+        new_rows = self._bitmask.shape[0] if self._bitmask_fd is not None else 0
         try:
-            self._conn.send(tuple(job))
+            # plain pickle: multiprocessing's pickler copies the reducer table every message
+            self._conn.send_bytes(pickle.dumps((*job[:-1], new_rows)))
             if self._bitmask_fd is not None:
                 send_handle(self._conn, self._bitmask_fd, self._proc.pid)
         except OSError:
