@@ -26,8 +26,7 @@ class MaskJob(NamedTuple):
     """One job: map the bitmask sent after it if ``new_bitmask_rows`` (its row count, set by
     :meth:`GrammarWorker.submit`), create matchers ``created`` (id, JSON schema), advance matcher
     ``accepting[i]`` by ``tokens[i]``, fill bitmask row ``rows[i]`` from matcher
-    ``filling[i]``, set every bit of rows ``unmasked`` (all tokens allowed), forget matchers
-    ``dropped``; then raise the counter to ``number``."""
+    ``filling[i]``, forget matchers ``dropped``; then raise the counter to ``number``."""
 
     number: int
     created: list[tuple[int, str]]
@@ -36,7 +35,6 @@ class MaskJob(NamedTuple):
     tokens: list[int]
     filling: list[int]
     rows: list[int]
-    unmasked: list[int]
     new_bitmask_rows: int = 0
 
 
@@ -112,8 +110,6 @@ def main() -> None:
                 accept_tokens([matchers[i] for i in job.accepting], job.tokens)
             if job.rows:
                 fill_bitmask([matchers[i] for i in job.filling], bitmask, job.rows)
-            if job.unmasked:
-                bitmask[job.unmasked] = -1
             for matcher_id in job.dropped:
                 matchers.pop(matcher_id, None)  # (made by a worker before this one: never here)
         except Exception as e:  # the engine raises it where the masks are used

@@ -144,11 +144,11 @@ class GrammarCompiler:
             self._copied.synchronize()
         accepted, self._accepted = self._accepted, []
         ended = {m.id for m, token in accepted if token in self.stop_token_ids}
-        rows: list[int] = []
-        unmasked: list[int] = []  # all tokens allowed (the worker sets their bits)
-        for i, m in enumerate(matchers):
-            (rows if m is not None and m.id not in ended else unmasked).append(i)
+        rows = [i for i, m in enumerate(matchers) if m is not None and m.id not in ended]
         bitmask = worker.bitmask(len(matchers))
+        if len(rows) < len(matchers):
+            masked = set(rows)
+            bitmask[[i for i in range(len(matchers)) if i not in masked]] = -1  # all allowed
         created = [(m.id, spec.schema) for m, spec in self._created]
         self._created = []
         dropped = self._dropped[:]
@@ -156,8 +156,7 @@ class GrammarCompiler:
         self._num_jobs += 1
         worker.submit(MaskJob(self._num_jobs, created, dropped, [m.id for m, _ in accepted],
                               [token for _, token in accepted],
-                              [matchers[i].id for i in rows], rows,  # type: ignore[union-attr]
-                              unmasked))
+                              [matchers[i].id for i in rows], rows))  # type: ignore[union-attr]
         return GrammarMasks(self._num_jobs, bitmask, rows, worker.wait, worker.counter)
 
     def apply(self, masks: GrammarMasks, logits: torch.Tensor) -> None:
