@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -111,7 +112,7 @@ def job_latencies(log: Callable[[str], None]) -> None:
     sent, from sent to received by the worker, the worker's work (accept + fill), and the
     device's wait for the masks."""
     def median_ms(values: list[float]) -> str:
-        return f"{sorted(values)[len(values) // 2] * 1e3:.3f}" if values else "-"
+        return f"{statistics.median(values) * 1e3:.3f}" if values else "-"
 
     reads = [max((r for r in READ_AT if r <= sent), default=None) for sent in SENT]
     to_send = [sent - r for sent, r in zip(SENT, reads, strict=True) if r is not None]
