@@ -223,31 +223,32 @@ def draw_graph_case(masks_kind: str) -> float:
     """The sampler's draw replayed as CUDA graphs (``engine.draw_graphs``) against the eager
     sampler on the same logits: greedy and temperature rows, seeded, SmolLM2's vocabulary, two
     batch sizes, each replayed over two fresh sets of logits (and masks: random bitmasks, one
-    row without a grammar), and an all-greedy batch (its own graph). ``masks_kind``: "none",
-    "ready" (filled before the draw), or "late": the draw is queued while the bitmask is still
-    all clear, and a thread fills it 20 ms later and then raises the grammar's host counter, so
-    the device must wait for it (``engine.stream_wait``). Returns the fraction of tokens that
-    differ."""
+    row without a grammar), and an all-greedy batch (its own graph). The masks lie in pinned
+    host memory that the graph reads in place, one bitmask per batch (so the masked graphs are
+    captured anew for each). ``masks_kind``: "none", "ready" (filled before the draw), or
+    "late": the draw is queued while the bitmask is still all clear, and a thread fills it
+    20 ms later and then raises the grammar's host counter, so the device must wait for it
+    (``engine.stream_wait``). Returns the fraction of tokens that differ."""
     import threading
     from concurrent.futures import Future
 
     from engine.draw_graphs import DrawGraphs
     from engine.sampler import draw, draw_key, shaped
     from engine.sampling_params import SamplingParams
-    from engine.stream_wait import HostCounter
+    from engine.stream_wait import HostCounter, device_view
     from engine.structured import GrammarCompiler, GrammarMasks
 
     vocab, sizes = 49152, (8, 64)
     static = {size: torch.empty(size, vocab, dtype=torch.bfloat16, device="cuda")
               for size in sizes}
     graphs = DrawGraphs(static)
-    grammars = GrammarCompiler(None, vocab, torch.device("cuda"))
     counter = HostCounter.create(torch.zeros(1, dtype=torch.int32, pin_memory=True))
     assert counter is not None, "no stream waits on host memory"
     number = 0
     wrong = total = 0
     for size, n, temperatures in ((8, 5, (0.0, 0.7, 1.5)), (64, 64, (0.0, 0.7, 1.5)),
                                   (8, 8, (0.0,)), (64, 50, (1.0, 0.0))):
+        shared = torch.zeros(size, vocab // 32, dtype=torch.int32).pin_memory()
         for _ in range(2):
             static[size].normal_(0, 4)
             params = [SamplingParams(temperature=temperatures[i % len(temperatures)])
@@ -258,27 +259,27 @@ def draw_graph_case(masks_kind: str) -> float:
                 filled = torch.randint(-(1 << 31), 1 << 31, (n, vocab // 32),
                                        dtype=torch.int32)
                 filled[0] = -1  # a row without a grammar
-                bitmask = torch.zeros_like(filled).pin_memory()
+                shared.zero_()  # all clear (the last draw has read it: its tokens were read)
                 number += 1
                 job: Future[None] = Future()
 
-                def fill(bitmask=bitmask, filled=filled, number=number, job=job) -> None:
+                def fill(bitmask=shared[:n], filled=filled, number=number, job=job) -> None:
                     bitmask.copy_(filled)
                     counter.raise_to(number)
                     job.set_result(None)
 
-                masks = GrammarMasks(number, bitmask, list(range(1, n)),
-                                     lambda _, job=job: job.result(), counter)
-                # the eager draw's masks: filled already (the counter is past job 0)
-                reference = GrammarMasks(0, filled.pin_memory(), masks.rows, lambda _: None,
-                                         counter)
+                masks = GrammarMasks(number, shared[:n], list(range(1, n)),
+                                     lambda _, job=job: job.result(), counter,
+                                     device_view(shared))
+                # the eager draw's masks: filled already, copied to the device
+                reference = GrammarMasks(0, filled, masks.rows, lambda _: None, None)
                 if masks_kind == "ready":
                     fill()
                 else:
                     threading.Timer(0.02, fill).start()
-            got = graphs.draw(size, params, keys, masks, grammars).clone()
-            constrain = ((lambda x, m=reference: grammars.apply(m, x)) if reference is not None
-                         else None)
+            got = graphs.draw(size, params, keys, masks).clone()
+            constrain = ((lambda x, m=reference: GrammarCompiler.apply(m, x))
+                         if reference is not None else None)
             want = draw(shaped(static[size][:n], params, None, (), constrain), params, keys)
             wrong += int((got != want).sum())
             total += n

@@ -4,8 +4,8 @@ sampler's draw graphs (``engine/draw_graphs.py``) on and off in turn in one proc
 
 Each section is timed by wrapping the engine's method of that name (``_read_inflight``,
 ``execute``, ...; ``submit(job)`` sending a mask job to the grammar worker, ``wait(job)``
-waiting for its answer, ``to_device`` queueing the masks' copy behind the device's wait for
-them, ``capture`` a draw graph's first use), as ms per step, and how many reads of a step's
+waiting for its answer, ``wait_on_device`` queueing the device's wait for the masks,
+``capture`` a draw graph's first use), as ms per step, and how many reads of a step's
 tokens took over 1 ms (a read waits for the draw, which waits for its masks). A profiling aid:
 the wrappers add a little time to every section.
 
@@ -68,8 +68,11 @@ def instrument(engine: Any) -> None:
     if engine.draw_graphs is not None:
         engine.draw_graphs.draw = timed(engine.draw_graphs.draw, "graphdraw")
         engine.draw_graphs._capture = timed(engine.draw_graphs._capture, "capture")
+    from engine.structured import GrammarMasks
+
     grammars = engine._grammars()
-    grammars.to_device = timed(grammars.to_device, "to_device")
+    # (a method of the masks that each step makes: wrapped on their class, in this process)
+    GrammarMasks.wait_on_device = timed(GrammarMasks.wait_on_device, "wait_on_device")
     worker = grammars.start()
     submit = timed(worker.submit, "submit(job)")
 

@@ -9,15 +9,17 @@ import torch
 
 from engine.sampler import draw_plain, filled_keys
 from engine.sampling_params import SamplingParams
-from engine.structured import GrammarCompiler, GrammarMasks, apply_bitmask
+from engine.structured import GrammarMasks, apply_bitmask
 
 
 class DrawGraphs:
     """One graph per decode graph batch size and kind of draw (sampled rows or greedy only,
     masked or not), captured on first use (sampled and unmasked: for every size at once). Per
-    draw, the rows' temperatures and keys go to the device in one copy from a pinned buffer
-    (reused once its last copy is done), and grammar masks (one int32 bitmask row per row, all
-    bits set where a row has no grammar) into a static device bitmask."""
+    draw with sampled rows, their temperatures and keys go to the device in one copy from a
+    pinned buffer (reused once its last copy is done). A masked graph reads the grammar
+    bitmask where the grammar worker writes it (``GrammarMasks.device``, one int32 row per
+    row, all bits set where a row has no grammar), behind a stream wait for its job; a new
+    bitmask (the worker's grew or was replaced) has its graphs captured anew."""
 
     def __init__(self, logits: dict[int, torch.Tensor]) -> None:
         """``logits``: each decode graph's static logits output, by padded batch size. The
@@ -30,7 +32,7 @@ class DrawGraphs:
         self._inputs = torch.zeros(2, max_rows, dtype=torch.float64, device=device)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        self._bitmask: torch.Tensor | None = None
+        self._bitmask: torch.Tensor | None = None  # the one the masked graphs read
         self._graphs: dict[tuple[int, bool, bool],
                            tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -38,26 +40,27 @@ class DrawGraphs:
             self._graphs[size, False, False] = self._capture(size, False, False)
 
     def draw(self, size: int, params: list[SamplingParams], keys: list[int | None],
-             masks: GrammarMasks | None, grammars: GrammarCompiler | None) -> torch.Tensor:
+             masks: GrammarMasks | None) -> torch.Tensor:
         """The tokens of the first ``len(params)`` rows of the size-``size`` decode graph's
-        logits (all rows ``plain``), drawn on the device without waiting for them; ``masks``
-        (from ``grammars``) are copied in once filled (``GrammarCompiler.to_device``)."""
+        logits (all rows ``plain``), drawn on the device without waiting for them, under
+        ``masks`` if any (their ``device`` bitmask with at least ``size`` rows) once filled."""
         n = len(params)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        self._copied.synchronize()
-        staged = self._staged.numpy()
-        staged[0, :n] = [p.temperature for p in params]
-        staged[1, :n] = 0  # a greedy row draws no key (nor does the eager sampler fill one)
-        staged[1, sampled] = filled_keys([keys[i] for i in sampled])
-        self._inputs.copy_(self._staged, non_blocking=True)  # 4 KB at most: all of it
-        self._copied.record()
+        if sampled:  # (a greedy-only graph reads no inputs)
+            self._copied.synchronize()
+            staged = self._staged.numpy()
+            staged[0, :n] = [p.temperature for p in params]
+            staged[1, :n] = 0  # a greedy row draws no key (nor does the eager sampler fill one)
+            staged[1, sampled] = filled_keys([keys[i] for i in sampled])
+            self._inputs.copy_(self._staged, non_blocking=True)  # 4 KB at most: all of it
+            self._copied.record()
         if masks is not None:
-            assert grammars is not None
-            if self._bitmask is None:  # one width per model: ceil(vocabulary / 32)
-                self._bitmask = torch.full((self._staged.shape[1], masks.bitmask.shape[1]), -1,
-                                           dtype=masks.bitmask.dtype,
-                                           device=self._inputs.device)
-            grammars.to_device(masks, self._bitmask[:n])
+            bitmask = masks.device
+            assert bitmask is not None and bitmask.shape[0] >= size
+            if self._bitmask is None or bitmask.data_ptr() != self._bitmask.data_ptr():
+                self._graphs = {key: graph for key, graph in self._graphs.items() if not key[1]}
+                self._bitmask = bitmask
+            masks.wait_on_device()
         key = (size, masks is not None, not sampled)
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)

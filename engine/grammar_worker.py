@@ -5,7 +5,8 @@ engine's thread for the GIL.
 The engine (:class:`GrammarWorker`) and the worker (``engine/grammar_process.py``, run by its
 path so that it imports only xgrammar, torch and numpy) share two memory mappings
 (memfds): a 32-bit job counter, and the bitmask rows (replaced by a larger one when a step has
-more rows: the job that first uses a bitmask sends it along). A job is one message
+more rows: the job that first uses a bitmask sends it along). On a GPU both are page-locked
+and mapped for the device, whose kernels read the bitmask in place. A job is one message
 (``MaskJob``): the matchers it creates, the tokens matchers advance by, the rows to fill,
 and the matchers dropped since the last job. The worker advances, fills, then raises the counter
 to the job's number (whatever happened: a CUDA stream may be waiting on it, see
@@ -32,7 +33,12 @@ from pathlib import Path
 import torch
 
 from engine.grammar_process import MaskJob
-from engine.stream_wait import HostCounter, register_host_memory, unregister_host_memory
+from engine.stream_wait import (
+    HostCounter,
+    device_view,
+    register_host_memory,
+    unregister_host_memory,
+)
 
 # the worker runs grammar_process.py by its path, so that it imports none of the engine's package
 _PROCESS = Path(__file__).with_name("grammar_process.py")
@@ -44,8 +50,8 @@ _AHEAD = 1 << 30  # how far past the last job a dead worker's counter is raised
 class GrammarWorker:
     """The engine's end of the worker (see the module docstring). ``counter`` is the job
     counter a CUDA stream can wait on, None where the host must wait for a job's answer instead
-    (``pin`` false, as on a CPU, or no driver support); ``pin`` also page-locks the bitmask,
-    which the stream then copies from."""
+    (``pin`` false, as on a CPU, or no driver support); ``pin`` also page-locks the bitmask and
+    maps it for the device (``device_bitmask``: all its rows, None where that failed)."""
 
     def __init__(self, tokenizer_info: str, words: int, pin: bool) -> None:
         """``tokenizer_info``: xgrammar's ``TokenizerInfo``, serialized; ``words``: int32 per
@@ -78,6 +84,7 @@ class GrammarWorker:
             self._pinned.append(counter)
             self.counter = HostCounter.create(counter[:1])
         self._bitmask = torch.empty(0, words, dtype=torch.int32)
+        self.device_bitmask: torch.Tensor | None = None
         self._bitmask_fd: int | None = None  # a new bitmask's, until a job sends it
         self._submitted = self._answered = 0
         self._errors: dict[int, str] = {}
@@ -90,8 +97,8 @@ class GrammarWorker:
 
     def bitmask(self, rows: int) -> torch.Tensor:
         """The first ``rows`` rows of the shared bitmask (a larger one replaces it if it has
-        fewer: call before the job that fills them is made, and only once the last copy out
-        of it has ended)."""
+        fewer, and ``device_bitmask`` with it: call before the job that fills them is made, and
+        only once no queued kernel or copy reads the old one)."""
         if rows > self._bitmask.shape[0]:
             size = max(rows, 2 * self._bitmask.shape[0], MIN_BITMASK_ROWS) * self.words * 4
             fd = os.memfd_create("chatgate-grammar-bitmask")
@@ -102,10 +109,10 @@ class GrammarWorker:
             if self._pinned and self._pinned[-1] is self._bitmask:
                 unregister_host_memory(self._pinned.pop())
             self._bitmask, self._bitmask_fd = memory.view(-1, self.words), fd
+            self.device_bitmask = None
             if self._pin and register_host_memory(self._bitmask):
                 self._pinned.append(self._bitmask)
-            else:  # a pageable source is read as its copy is queued: the host must wait
-                self.counter = None
+                self.device_bitmask = device_view(self._bitmask)
         return self._bitmask[:rows]
 
     def submit(self, job: MaskJob) -> None:

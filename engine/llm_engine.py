@@ -4,7 +4,7 @@ With overlapped scheduling (``EngineConfig.async_scheduling``) a step is launche
 previous one's tokens are read, and its rows are sampled once they are (penalties see every
 token); the grammar masks of its rows start filling in the grammar worker process once those
 tokens are read, and its draw is queued at once behind a wait for them (on a GPU the device waits,
-while the host goes on; see ``GrammarCompiler.to_device``). Each sampled sequence ends in
+while the host goes on; see ``GrammarMasks.wait_on_device``). Each sampled sequence ends in
 ``PLACEHOLDER`` until the next step resolves it (so the scheduler counts the token it will
 compute), the next step's input for it is taken on the device, and a sequence that the
 resolved token finishes has computed one token more, discarded. Between steps at most one step
@@ -282,8 +282,9 @@ class LLMEngine:
         argmax), else by the eager sampler."""
         draws = self.draw_graphs
         if (graph_size is not None and draws is not None and all(map(plain, params))
-                and (masks is not None or not all(p.greedy for p in params))):
-            return draws.draw(graph_size, params, keys, masks, self._grammar_compiler)
+                and (masks.device is not None if masks is not None
+                     else not all(p.greedy for p in params))):
+            return draws.draw(graph_size, params, keys, masks)
         return draw(self._shaped(logits, params, histories, masks), params, keys)
 
     def _read_and_mask(self, sampled: list[Sequence]
@@ -299,7 +300,7 @@ class LLMEngine:
         matchers = [None if seq.is_finished else seq.matcher for seq in sampled]
         if all(m is None for m in matchers):
             return None
-        return self._grammars().masks(matchers)
+        return self._grammars().masks(matchers, self.runner.last_graph_size or 0)
 
     @staticmethod
     def _histories(sampled: list[Sequence]) -> list[tuple[list[int], list[int]]]:

@@ -65,6 +65,32 @@ def register_host_memory(memory: torch.Tensor) -> bool:
     return status == 0
 
 
+class _DeviceMapped:
+    """Host memory by its device address, for ``torch.as_tensor`` (the CUDA array interface);
+    holds ``owner``, the CPU tensor over the same memory."""
+
+    def __init__(self, address: int, owner: torch.Tensor) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": tuple(owner.shape), "typestr": owner.numpy().dtype.str,
+            "data": (address, False), "strides": None, "version": 2}
+
+
+def device_view(memory: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over the memory of the contiguous CPU tensor ``memory``, page-locked and
+    mapped for the current device (:func:`register_host_memory`, or torch's pinned memory):
+    kernels that read it read host memory over the bus, at the time they run, without a copy.
+    Valid while that memory stays mapped."""
+    driver = _driver()
+    assert driver is not None
+    address = ctypes.c_uint64()
+    status = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(address),
+                                                 ctypes.c_void_p(memory.data_ptr()), 0)
+    if status != 0:
+        raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUDA error {status}")
+    return torch.as_tensor(_DeviceMapped(address.value, memory), device="cuda")
+
+
 def unregister_host_memory(memory: torch.Tensor) -> None:
     """Undo :func:`register_host_memory` (no copy out of ``memory`` may still be queued)."""
     driver = _driver()
@@ -80,6 +106,7 @@ class HostCounter:
         self._value = host.numpy().view(np.uint32)
         self._address = device_address
         self._driver = driver
+        self._device = torch.cuda.current_device()
 
     @staticmethod
     def create(host: torch.Tensor) -> "HostCounter | None":
@@ -119,6 +146,7 @@ class HostCounter:
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUDA error {status}")
 
     def _wait(self, value: int) -> int:
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        # the raw handle, as Triton's launcher reads it (``current_stream()`` builds a Stream)
+        stream = ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(self._device))
         return self._driver.cuStreamWaitValue32_v2(stream, self._address,
                                                    value & 0xFFFFFFFF, _WAIT_GEQ)

@@ -6,8 +6,8 @@ the logits they choose from, so only tokens that keep the output a valid prefix 
 can be drawn; the chosen token is then accepted by the matcher, and a grammar's stop token
 (allowed only once the grammar is complete) finishes its sample (``stop``). Masks are filled by
 a process of their own (``engine.grammar_worker``) while the engine's Python work goes on; on a
-GPU, the draw that needs them is queued at once and the device, not the host, waits for them
-(``engine.stream_wait``).
+GPU, the draw that needs them is queued at once, the device, not the host, waits for them
+(``engine.stream_wait``), and its kernel reads them where the worker wrote them.
 Compiled grammars are cached by their specification. xgrammar is imported on first use, so the
 engine runs without it until a request asks for structured output.
 """
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.grammar_process import MaskJob, compile_json_schema
@@ -82,10 +83,13 @@ class GrammarCompiler:
 
     :meth:`accept` only records each matcher's token; the next :meth:`masks` job advances the
     matchers by them before it fills any mask. One mask job is outstanding at a time (the next
-    waits for it). On a GPU, a stream waits for a job's counter before it copies the masks in
-    (:meth:`to_device`); elsewhere the host waits for the job's answer. A worker that exits
-    fails the step waiting for it; the next :meth:`masks` starts a new one, which serves the
-    matchers made since (those the old one held cannot go on: masks for them raise)."""
+    waits for it), and a job rewrites the one shared bitmask: it is made only once the tokens
+    drawn under the last masks are read, so no kernel reads them any more. On a GPU, kernels
+    read the bitmask where the worker wrote it (mapped for the device) once a stream wait for
+    the job's counter lets them (:meth:`GrammarMasks.wait_on_device`); elsewhere the host waits
+    for the job's answer. A worker that exits fails the step waiting for it; the next
+    :meth:`masks` starts a new one, which serves the matchers made since (those the old one held
+    cannot go on: masks for them raise)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device) -> None:
         """``device``: where the logits are (the bitmask is page-locked for a GPU)."""
@@ -100,8 +104,6 @@ class GrammarCompiler:
         self._created: list[tuple[Matcher, StructuredOutput]] = []
         self._dropped: list[int] = []  # appended to by the matchers' finalizers
         self._accepted: list[tuple[Matcher, int]] = []
-        # the end of the last copy out of the shared bitmask, which a refill waits for
-        self._copied: torch.cuda.Event | None = None
 
     @cached_property
     def stop_token_ids(self) -> frozenset[int]:
@@ -127,10 +129,12 @@ class GrammarCompiler:
         one its grammar allowed); the matchers advance before their next masks are filled."""
         self._accepted += zip(matchers, tokens, strict=True)
 
-    def masks(self, matchers: Sequence[Matcher | None]) -> GrammarMasks:
+    def masks(self, matchers: Sequence[Matcher | None], padded_rows: int = 0) -> GrammarMasks:
         """Start filling, in the grammar worker, the token masks of one logits row per matcher:
         row ``i`` is masked by ``matchers[i]`` (None, or a matcher whose last token ended its
-        grammar: all tokens allowed). The recorded tokens are accepted first."""
+        grammar: all tokens allowed). The recorded tokens are accepted first. The bitmask holds
+        at least ``padded_rows`` rows (a CUDA graph's draw reads its padded batch; the rows past
+        the matchers' keep whatever they held)."""
         worker = self.start()
         lost = (sum(m is not None and m.worker != self._num_workers for m in matchers)
                 if self._num_workers > 1 else 0)  # (only a replaced worker leaves any)
@@ -138,17 +142,15 @@ class GrammarCompiler:
             raise RuntimeError(f"the grammar worker that held the grammar state of {lost} "
                                "rows exited; they cannot go on")
         worker.wait(self._num_jobs)  # the last job (its error is raised here)
-        if self._copied is not None:
-            # the last copy out of the bitmask has read it (done by now: a job starts after the
-            # tokens of the step that last applied masks are read)
-            self._copied.synchronize()
         accepted, self._accepted = self._accepted, []
-        ended = {m.id for m, token in accepted if token in self.stop_token_ids}
+        stops = self.stop_token_ids
+        ended = {m.id for m, token in accepted if token in stops}
         rows = [i for i, m in enumerate(matchers) if m is not None and m.id not in ended]
-        bitmask = worker.bitmask(len(matchers))
+        bitmask = worker.bitmask(max(len(matchers), padded_rows))[:len(matchers)]
         if len(rows) < len(matchers):
-            masked = set(rows)
-            bitmask[[i for i in range(len(matchers)) if i not in masked]] = -1  # all allowed
+            allowed = np.ones(len(matchers), dtype=bool)
+            allowed[rows] = False
+            bitmask.numpy()[allowed] = -1  # all tokens allowed (numpy: no torch dispatch)
         created = [(m.id, spec.schema) for m, spec in self._created]
         self._created = []
         dropped = self._dropped[:]
@@ -157,40 +159,29 @@ class GrammarCompiler:
         worker.submit(MaskJob(self._num_jobs, created, dropped, [m.id for m, _ in accepted],
                               [token for _, token in accepted],
                               [matchers[i].id for i in rows], rows))  # type: ignore[union-attr]
-        return GrammarMasks(self._num_jobs, bitmask, rows, worker.wait, worker.counter)
+        return GrammarMasks(self._num_jobs, bitmask, rows, worker.wait, worker.counter,
+                            worker.device_bitmask)
 
-    def apply(self, masks: GrammarMasks, logits: torch.Tensor) -> None:
+    @staticmethod
+    def apply(masks: GrammarMasks, logits: torch.Tensor) -> None:
         """Mask, in place, each row of the float32 ``logits`` to the tokens its grammar allows
-        next (a row without one is left as it is: all bits set), once ``masks`` are filled
-        (waited for as :meth:`to_device` does)."""
-        bitmask = (torch.empty_like(masks.bitmask, device=logits.device)
-                   if logits.is_cuda and masks.rows else None)
-        self.to_device(masks, bitmask)
-        if masks.rows:
-            apply_bitmask(logits, masks.bitmask if bitmask is None else bitmask)
-
-    def to_device(self, masks: GrammarMasks, out: torch.Tensor | None) -> None:
-        """Copy ``masks``' bitmask rows to ``out`` (on the logits' GPU) once their job has
-        ended: the current stream waits for it where it can, the host otherwise (and where
-        ``out`` is None: no copy, the masks are read on the host). A job's error is raised by
-        :meth:`GrammarMasks.result`, which whoever reads the tokens drawn calls."""
-        if out is None:
-            masks.result()
+        next (a row without one is left as it is: all bits set), once ``masks`` are filled: on
+        a GPU whose kernels read the bitmask in place, the device waits for them
+        (:meth:`GrammarMasks.wait_on_device`), elsewhere the host."""
+        if not masks.rows:
             return
-        if masks.counter is None:
-            masks.result()
+        if logits.is_cuda and masks.device is not None:
+            masks.wait_on_device()
+            apply_bitmask(logits, masks.device[:len(masks.bitmask)])
         else:
-            masks.counter.stream_wait(masks.number)
-        out.copy_(masks.bitmask, non_blocking=True)
-        if self._copied is None:
-            self._copied = torch.cuda.Event()
-        self._copied.record()
+            masks.result()
+            apply_bitmask(logits, masks.bitmask.to(logits.device))
 
     def close(self) -> None:
         """Stop the grammar worker, if started; no mask job after this."""
         if self._worker is not None:
-            if self._copied is not None:
-                self._copied.synchronize()  # (before the bitmask is unlocked)
+            if self._pin:
+                torch.cuda.synchronize()  # no kernel may read the bitmask once it is unlocked
             self._worker.close()
 
     def start(self) -> GrammarWorker:
@@ -228,19 +219,32 @@ class GrammarCompiler:
 
 @dataclass(frozen=True)
 class GrammarMasks:
-    """The token masks of one step's logits rows ``rows`` (the others are left as they are),
-    being filled by mask job ``number``: ``wait(number)`` returns once it has ended, and
-    ``counter`` (None: the host waits) reaches ``number`` then."""
+    """The token masks of one step's logits rows ``rows`` (the others are left as they are:
+    all bits set), being filled by mask job ``number`` into ``bitmask`` (host memory, one row
+    per logits row): ``wait(number)`` returns once it has ended, and ``counter`` (None: the
+    host waits) reaches ``number`` then. ``device``: the whole shared bitmask as a CUDA tensor
+    over the same memory (``bitmask`` is its first rows), None where it is not mapped for a
+    device."""
 
     number: int
     bitmask: torch.Tensor
     rows: list[int]
     wait: Callable[[int], None]
     counter: HostCounter | None
+    device: torch.Tensor | None = None
 
     def result(self) -> None:
         """Wait for the masks; their job's error is raised here."""
         self.wait(self.number)
+
+    def wait_on_device(self) -> None:
+        """Make the current stream's later work (kernels that read ``device``) wait until the
+        masks are filled; the host waits instead where there is no counter. The job's error is
+        raised by :meth:`result`, which whoever reads the tokens drawn calls."""
+        if self.counter is None:
+            self.result()
+        else:
+            self.counter.stream_wait(self.number)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

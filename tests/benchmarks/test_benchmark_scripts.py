@@ -142,7 +142,7 @@ def test_step_sections_quick(tmp_path, tiny_model, capsys):
                                         str(tmp_path)]) == 0
     text = (tmp_path / "step_sections_quick.txt").read_text()
     assert "(b) free eager" in capsys.readouterr().out
-    for section in ("(a) schema graphs", "submit(job)", "wait(job)", "to_device", "execute",
+    for section in ("(a) schema graphs", "submit(job)", "wait(job)", "_masks", "execute",
                     "schedule",
                     "reads of tokens over 1 ms"):
         assert section in text, section

@@ -122,6 +122,24 @@ def test_masks_of_more_rows_than_the_first_shared_bitmask_holds_are_filled(llm: 
         grammars.close()
 
 
+def test_masks_reserve_the_padded_rows_a_graph_draw_reads(llm: LLM) -> None:
+    """``padded_rows`` makes the shared bitmask hold a CUDA graph's padded batch: the masks'
+    rows are its first ones, and asking the worker for the padded rows keeps that bitmask
+    (no larger one replaces it under the draw)."""
+    grammars = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size, torch.device("cpu"))
+    spec = StructuredOutput(json_object=True)
+    try:
+        matchers = [grammars.matcher(spec) for _ in range(70)]
+        masks = grammars.masks(matchers, padded_rows=72)
+        masks.result()
+        assert masks.bitmask.shape[0] == 70
+        padded = grammars.start().bitmask(72)
+        assert padded.data_ptr() == masks.bitmask.data_ptr()
+        assert torch.equal(padded[:70], masks.bitmask)
+    finally:
+        grammars.close()
+
+
 def test_a_grammar_worker_started_ahead_serves_the_first_structured_request() -> None:
     """``start_grammar_worker`` (the engine process calls it at start) starts the worker before
     any structured request; the first one is served by that worker."""
