@@ -268,9 +268,10 @@ def draw_graph_case(masks_kind: str) -> float:
                     counter.raise_to(number)
                     job.set_result(None)
 
+                mapped = device_view(shared)
+                assert mapped is not None, "pinned memory without a device address"
                 masks = GrammarMasks(number, shared[:n], list(range(1, n)),
-                                     lambda _, job=job: job.result(), counter,
-                                     device_view(shared))
+                                     lambda _, job=job: job.result(), counter, mapped)
                 # the eager draw's masks: filled already, copied to the device
                 reference = GrammarMasks(0, filled, masks.rows, lambda _: None, None)
                 if masks_kind == "ready":

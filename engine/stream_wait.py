@@ -76,23 +76,27 @@ class _DeviceMapped:
             "data": (address, False), "strides": None, "version": 2}
 
 
-def device_view(memory: torch.Tensor) -> torch.Tensor:
+def device_view(memory: torch.Tensor) -> torch.Tensor | None:
     """A CUDA tensor over the memory of the contiguous CPU tensor ``memory``, page-locked and
     mapped for the current device (:func:`register_host_memory`, or torch's pinned memory):
     kernels that read it read host memory over the bus, at the time they run, without a copy.
-    Valid while that memory stays mapped."""
+    Valid while that memory stays mapped. None (logged) where the driver gives no device
+    address for it."""
     driver = _driver()
-    assert driver is not None
     address = ctypes.c_uint64()
-    status = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(address),
-                                                 ctypes.c_void_p(memory.data_ptr()), 0)
+    status = (driver.cuMemHostGetDevicePointer_v2(ctypes.byref(address),
+                                                  ctypes.c_void_p(memory.data_ptr()), 0)
+              if driver is not None else -1)
     if status != 0:
-        raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUDA error {status}")
+        logger.warning("host memory has no device address (CUDA error %d): it is copied "
+                       "instead", status)
+        return None
     return torch.as_tensor(_DeviceMapped(address.value, memory), device="cuda")
 
 
 def unregister_host_memory(memory: torch.Tensor) -> None:
-    """Undo :func:`register_host_memory` (no copy out of ``memory`` may still be queued)."""
+    """Undo :func:`register_host_memory` (no copy or kernel that reads ``memory`` may still be
+    queued)."""
     driver = _driver()
     assert driver is not None
     driver.cuMemHostUnregister(ctypes.c_void_p(memory.data_ptr()))
