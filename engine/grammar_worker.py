@@ -132,9 +132,9 @@ class GrammarWorker:
             self._bitmask_fd = None
         self._submitted = job.number
 
-    def wait(self, number: int) -> None:
-        """Wait until job ``number`` has ended; raise its error if it failed, or if the worker
-        exited before it ended."""
+    def wait(self, number: int, job_error: bool = True) -> None:
+        """Wait until job ``number`` has ended; raise its error if it failed (unless not
+        ``job_error``), or if the worker exited before it ended."""
         while self._answered < number:
             try:
                 self._answered, error, *self.last_job_times = self._conn.recv()
@@ -142,7 +142,7 @@ class GrammarWorker:
                 raise self._exited() from None
             if error is not None:
                 self._errors[self._answered] = error
-        if number in self._errors:
+        if job_error and number in self._errors:
             raise RuntimeError(f"grammar mask job failed: {self._errors[number]}")
 
     def close(self) -> None:

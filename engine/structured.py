@@ -141,7 +141,9 @@ class GrammarCompiler:
         if lost:
             raise RuntimeError(f"the grammar worker that held the grammar state of {lost} "
                                "rows exited; they cannot go on")
-        worker.wait(self._num_jobs)  # the last job (its error is raised here)
+        # the last job has ended (its error, if any, is the step's that reads the tokens drawn
+        # under its masks: the matchers it failed on belong to requests that step fails)
+        worker.wait(self._num_jobs, job_error=False)
         accepted, self._accepted = self._accepted, []
         stops = self.stop_token_ids
         ended = {m.id for m, token in accepted if token in stops}

@@ -99,12 +99,18 @@ def _constrained_tokens_until_a_step_fails(llm: LLM) -> tuple[list[int], str]:
 def test_a_failed_mask_job_fails_a_step_before_a_token_drawn_under_it_is_returned(
         monkeypatch, overlap: bool) -> None:
     """The third job names a matcher the worker does not hold: the worker reports its error,
-    and no token drawn under that job's masks is returned."""
+    and no token drawn under that job's masks is returned. The error is that step's alone:
+    once the request is aborted (as the engine process does after a failed step), the same
+    request is served again with the answer of an undisturbed run."""
     llm = LLM("smollm2", max_model_len=512, num_kv_blocks=64, async_scheduling=overlap)
+    params = SamplingParams(temperature=0, max_tokens=20, structured=CITY)
+    want = llm.generate([_prompts(llm)[1]], params)[0].outputs[0].token_ids
     submit = GrammarWorker.submit
+    submitted = []
 
     def third_fails(worker: GrammarWorker, job: MaskJob) -> None:
-        submit(worker, job._replace(filling=[10**9]) if job.number == 3 else job)
+        submitted.append(job.number)
+        submit(worker, job._replace(filling=[10**9]) if len(submitted) == 3 else job)
 
     monkeypatch.setattr(GrammarWorker, "submit", third_fails)
     tokens, error = _constrained_tokens_until_a_step_fails(llm)
@@ -112,6 +118,10 @@ def test_a_failed_mask_job_fails_a_step_before_a_token_drawn_under_it_is_returne
     # drawn under the first two masks (overlapped on the CPU, the second is lost: the step
     # that returns it raises when its draw waits for the third masks)
     assert 1 <= len(tokens) <= 2
+    for request_id in list(llm.engine.requests):
+        llm.engine.abort(request_id)
+    assert llm.generate([_prompts(llm)[1]], params)[0].outputs[0].token_ids == want
+    assert llm.engine.kv.pool.num_used == 0
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
