@@ -87,9 +87,10 @@ class GrammarCompiler:
     drawn under the last masks are read, so no kernel reads them any more. On a GPU, kernels
     read the bitmask where the worker wrote it (mapped for the device) once a stream wait for
     the job's counter lets them (:meth:`GrammarMasks.wait_on_device`); elsewhere the host waits
-    for the job's answer. A worker that exits fails the step waiting for it; the next
-    :meth:`masks` starts a new one, which serves the matchers made since (those the old one held
-    cannot go on: masks for them raise)."""
+    for the job's answer. A job that fails (its error raised by :meth:`GrammarMasks.result`)
+    fails only the step that reads the tokens drawn under its masks. A worker that exits fails
+    the step waiting for it; the next :meth:`masks` starts a new one, which serves the matchers
+    made since (those the old one held cannot go on: masks for them raise)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, device: torch.device) -> None:
         """``device``: where the logits are (the bitmask is page-locked for a GPU)."""
