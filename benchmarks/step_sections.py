@@ -4,7 +4,7 @@ sampler's draw graphs (``engine/draw_graphs.py``) on and off in turn in one proc
 
 Each section is timed by wrapping the engine's method of that name (``_read_inflight``,
 ``execute``, ...; ``submit(job)`` sending a mask job to the grammar worker, ``wait(job)``
-waiting for its answer, ``wait_on_device`` queueing the device's wait for the masks,
+waiting for its answer, ``stream_wait`` queueing the device's wait for the masks,
 ``capture`` a draw graph's first use), as ms per step, and how many reads of a step's
 tokens took over 1 ms (a read waits for the draw, which waits for its masks). A profiling aid:
 the wrappers add a little time to every section.
@@ -68,11 +68,7 @@ def instrument(engine: Any) -> None:
     if engine.draw_graphs is not None:
         engine.draw_graphs.draw = timed(engine.draw_graphs.draw, "graphdraw")
         engine.draw_graphs._capture = timed(engine.draw_graphs._capture, "capture")
-    from engine.structured import GrammarMasks
-
     grammars = engine._grammars()
-    # (a method of the masks that each step makes: wrapped on their class, in this process)
-    GrammarMasks.wait_on_device = timed(GrammarMasks.wait_on_device, "wait_on_device")
     worker = grammars.start()
     submit = timed(worker.submit, "submit(job)")
 
@@ -82,8 +78,8 @@ def instrument(engine: Any) -> None:
     worker.submit = submit_at
     inner_wait = timed(worker.wait, "wait(job)")
 
-    def wait(number: int) -> None:
-        inner_wait(number)
+    def wait(number: int, job_error: bool = True) -> None:
+        inner_wait(number, job_error)
         if worker.last_job_times and len(JOBS) < len(SENT):
             JOBS.append(tuple(worker.last_job_times))
     worker.wait = wait
@@ -98,7 +94,7 @@ def instrument(engine: Any) -> None:
     counter = worker.counter
     if counter is not None:  # the device's waits for masks, timed on the device
         import torch
-        stream_wait = counter.stream_wait
+        stream_wait = timed(counter.stream_wait, "stream_wait")
 
         def timed_stream_wait(value: int) -> None:
             start = torch.cuda.Event(enable_timing=True)
