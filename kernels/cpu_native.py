@@ -4,13 +4,20 @@ Building needs a C++ compiler and ninja (``torch.utils.cpp_extension``); the bui
 under ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``), so only the first engine on a
 machine waits for it (about half a minute on two cores). Without a compiler, or with
 ``CHATGATE_CPU_KERNELS=0``, :func:`native` is None and the CPU runs ``kernels.reference``.
+Processes that build or load it at once take turns on an ``flock``, which the system drops
+when its holder dies: a build killed half-way (Ctrl-C at a first start) leaves torch's own lock
+file behind, which would make every later load wait for it forever; under the flock that file
+can only be such a leftover, and is removed.
 """
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -40,10 +47,22 @@ def native() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     logger.info("loading the fused CPU kernels (compiled once per machine: ~30 s)")
+    name = f"chatgate_cpu_{_cpu_key()}"
     try:
-        return cpp_extension.load(name=f"chatgate_cpu_{_cpu_key()}", sources=[str(SOURCE)],
-                                  extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+        with _one_builder(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS,
+                                      extra_ldflags=["-fopenmp"])
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, a failed build
         logger.warning("fused CPU kernels unavailable, using the torch reference: %s",
                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
+
+
+@contextlib.contextmanager
+def _one_builder(build: Path) -> Iterator[None]:
+    """Hold the flock of the build folder ``build``, with torch's lock file there removed (see
+    the module docstring)."""
+    with open(build / "chatgate.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)  # torch's, left by a killed build
+        yield

@@ -139,3 +139,24 @@ def test_int8_linear_is_the_int8_by_q8_product() -> None:
     codes = (weight.to(torch.int16) + 128).to(torch.uint8)
     native().int8_linear(x, codes, row_scales, out)
     torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_a_lock_left_by_a_killed_build_does_not_stall_the_next_load() -> None:
+    """torch's lock file in the build folder, as a build killed half-way leaves it: a new
+    process still loads the kernels (torch alone would wait for the file forever)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    from kernels.cpu_native import _cpu_key
+
+    build = Path(cpp_extension._get_build_directory(f"chatgate_cpu_{_cpu_key()}", False))
+    (build / "lock").touch()
+    loaded = subprocess.run(
+        [sys.executable, "-c", "from kernels.cpu_native import native; "
+                               "print(native() is not None)"],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
+    assert loaded.stdout.strip() == "True", loaded.stderr[-2000:]
+    assert not (build / "lock").exists()
