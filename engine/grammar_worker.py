@@ -95,12 +95,13 @@ class GrammarWorker:
         threading.Thread(target=_raise_when_exited, args=(self._proc, self.counter),
                          name="grammar-worker-watch", daemon=True).start()
 
-    def bitmask(self, rows: int) -> torch.Tensor:
-        """The first ``rows`` rows of the shared bitmask (a larger one replaces it if it has
-        fewer, and ``device_bitmask`` with it: call before the job that fills them is made, and
-        only once no queued kernel or copy reads the old one)."""
-        if rows > self._bitmask.shape[0]:
-            size = max(rows, 2 * self._bitmask.shape[0], MIN_BITMASK_ROWS) * self.words * 4
+    def bitmask(self, rows: int, reserve: int = 0) -> torch.Tensor:
+        """The first ``rows`` rows of the shared bitmask, which holds at least
+        ``max(rows, reserve)`` (a larger one replaces it if it has fewer, and
+        ``device_bitmask`` with it: call before the job that fills them is made, and only once
+        no queued kernel or copy reads the old one)."""
+        if max(rows, reserve) > self._bitmask.shape[0]:
+            size = max(rows, reserve, 2 * self._bitmask.shape[0], MIN_BITMASK_ROWS) * self.words * 4
             fd = os.memfd_create("chatgate-grammar-bitmask")
             os.ftruncate(fd, size)
             memory = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.int32)

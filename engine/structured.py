@@ -149,7 +149,7 @@ class GrammarCompiler:
         stops = self.stop_token_ids
         ended = {m.id for m, token in accepted if token in stops}
         rows = [i for i, m in enumerate(matchers) if m is not None and m.id not in ended]
-        bitmask = worker.bitmask(max(len(matchers), padded_rows))[:len(matchers)]
+        bitmask = worker.bitmask(len(matchers), padded_rows)
         if len(rows) < len(matchers):
             allowed = np.ones(len(matchers), dtype=bool)
             allowed[rows] = False

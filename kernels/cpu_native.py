@@ -39,6 +39,18 @@ def _cpu_key() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
+def _name() -> str:
+    """The extension's name: one build per CPU."""
+    return f"chatgate_cpu_{_cpu_key()}"
+
+
+def build_directory() -> Path:
+    """Where torch builds and caches the extension (made if missing)."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(_name(), verbose=False))
+
+
 @functools.cache
 def native() -> ModuleType | None:
     """The compiled module, or None when it is disabled or cannot be built (logged once)."""
@@ -47,10 +59,9 @@ def native() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     logger.info("loading the fused CPU kernels (compiled once per machine: ~30 s)")
-    name = f"chatgate_cpu_{_cpu_key()}"
     try:
-        with _one_builder(Path(cpp_extension._get_build_directory(name, verbose=False))):
-            return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS,
+        with _one_builder(build_directory()):
+            return cpp_extension.load(name=_name(), sources=[str(SOURCE)], extra_cflags=FLAGS,
                                       extra_ldflags=["-fopenmp"])
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, a failed build
         logger.warning("fused CPU kernels unavailable, using the torch reference: %s",

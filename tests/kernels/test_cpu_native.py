@@ -148,11 +148,9 @@ def test_a_lock_left_by_a_killed_build_does_not_stall_the_next_load() -> None:
     import sys
     from pathlib import Path
 
-    from torch.utils import cpp_extension
+    from kernels.cpu_native import build_directory
 
-    from kernels.cpu_native import _cpu_key
-
-    build = Path(cpp_extension._get_build_directory(f"chatgate_cpu_{_cpu_key()}", False))
+    build = build_directory()
     (build / "lock").touch()
     loaded = subprocess.run(
         [sys.executable, "-c", "from kernels.cpu_native import native; "
