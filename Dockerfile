@@ -4,7 +4,7 @@
 #                     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
 #                     --build-arg SYSTEM_PACKAGES="gcc libc6-dev" .
 # Both images need a compiler at run time: the CPU image's g++ builds the fused CPU kernels
-# (kernels/cpu_native.cpp) for the host's CPU at first start, cached in the /cache volume;
+# (chatgate_kernels/cpu_native.cpp) for the host's CPU at first start, cached in the /cache volume;
 # Triton builds a small C launcher (against the Python headers this base image ships) the first
 # time it runs a kernel.
 FROM python:3.11-slim

@@ -35,7 +35,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import triton_attention  # noqa: E402
+from chatgate_kernels import triton_attention  # noqa: E402
 
 HQ, HKV, D, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
 SCALE = D**-0.5

@@ -6,11 +6,11 @@ direct and split-K decode paths, mixed decode + prefill + extend batches, reshap
 with padding slots, a CUDA-graph capture of the decode path, and the ``kernels`` dispatcher;
 FP8 caches (decode, mixed batches, and the cache writes of ``reshape_and_cache`` and
 ``rotary_and_cache``, which must store the very codes torch's conversion gives).
-The fused elementwise kernels (``kernels/triton_fused.py``) are checked against transformers'
-op-by-op torch code on the same GPU: the fraction of output elements that are not bit-identical
-(rotary and the residual add must be exact; the norm's mean and SiLU's exp may move a rare bf16
-value by a step) and the relative error. The sampler's counter-based noise
-(``kernels/triton_sampling.py``) is checked against its torch reference, and the sampler's
+The fused elementwise kernels (``chatgate_kernels/triton_fused.py``) are checked against
+transformers' op-by-op torch code on the same GPU: the fraction of output elements that are not
+bit-identical (rotary and the residual add must be exact; the norm's mean and SiLU's exp may move
+a rare bf16 value by a step) and the relative error. The sampler's counter-based noise
+(``chatgate_kernels/triton_sampling.py``) is checked against its torch reference, and the sampler's
 draw replayed as CUDA graphs (``engine/draw_graphs.py``) against the eager sampler.
 Prints a pass/fail table; exits 1 if any case fails.
 
@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels  # noqa: E402
-from kernels import (  # noqa: E402
+import chatgate_kernels  # noqa: E402
+from chatgate_kernels import (  # noqa: E402
     reference,
     triton_attention,
     triton_cache,
@@ -199,7 +199,7 @@ def graph_case(num_seqs: int, replays: int) -> float:
 
 def dispatch_case() -> float:
     batch = Paged([(1, 300), (40, 90)], torch.bfloat16, 64, 16, 2, 4)
-    out = kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+    out = chatgate_kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache,
                                   *batch.tail())
     return rel_err(out, batch.reference())
 

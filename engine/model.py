@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-import kernels
+import chatgate_kernels
 from engine.quantization import (
     Int8Linear,
     QuantizedLinear,
@@ -31,7 +31,7 @@ logger = logging.getLogger("engine.model")
 
 @dataclass
 class AttentionMetadata:
-    """Kernel inputs for one step; see ``kernels/__init__.py`` for the contract."""
+    """Kernel inputs for one step; see ``chatgate_kernels/__init__.py`` for the contract."""
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
@@ -42,8 +42,9 @@ class AttentionMetadata:
     # CUDA only: a static ``[num_tokens, num_heads, head_dim]`` buffer the attention writes
     # into (CUDA-graph capture); ``None`` lets the kernel allocate its output.
     attn_out: torch.Tensor | None = None
-    # CPU only: the step's index work for every layer's attention (``kernels.attention_plan``)
-    plan: kernels.reference.AttentionPlan | None = None
+    # CPU only: the step's index work for every layer's attention
+    # (``chatgate_kernels.attention_plan``)
+    plan: chatgate_kernels.reference.AttentionPlan | None = None
 
 
 Weight = torch.Tensor | QuantizedLinear
@@ -124,7 +125,7 @@ class LlamaModel:
         # quantized on the CPU: the fused CPU kernels' norm and SiLU·mul write the bfloat16
         # activations the quantized products read; None where the elementwise steps are
         # transformers' own op-by-op code (their rounding, for the float greedy oracle)
-        self.fused_cpu = (kernels.cpu_native.native()
+        self.fused_cpu = (chatgate_kernels.cpu_native.native()
                           if quantization is not None and tp is None else None)
         rotary = LlamaRotaryEmbedding(config).to(self.device)
         positions = torch.arange(max_positions, device=self.device)[None, :]
@@ -212,7 +213,7 @@ class LlamaModel:
         into ``kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``."""
         n = input_ids.shape[0]
         h = self._embed(input_ids)  # the residual stream, updated in place
-        x = kernels.rms_norm(h, self.layers[0].input_norm, self.eps)
+        x = chatgate_kernels.rms_norm(h, self.layers[0].input_norm, self.eps)
         if self.fused_cpu is not None:
             x = x.to(torch.bfloat16)
         cos, sin = self.cos[positions], self.sin[positions]
@@ -228,9 +229,9 @@ class LlamaModel:
             k = k.view(n, self.num_kv_heads, self.head_dim)
             v = v.view(n, self.num_kv_heads, self.head_dim)
             key_cache, value_cache = kv_cache[0, index], kv_cache[1, index]
-            kernels.rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache,
+            chatgate_kernels.rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache,
                                      meta.slot_mapping, k_scale, v_scale, meta.plan)
-            o = kernels.paged_attention(
+            o = chatgate_kernels.paged_attention(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
                 out=meta.attn_out, plan=meta.plan, k_scale=k_scale, v_scale=v_scale,
@@ -246,7 +247,7 @@ class LlamaModel:
         """``residual += x``, then its RMSNorm: the next linear layer's input (bfloat16 on the
         fused CPU path), or with ``final`` the hidden states (the model's dtype)."""
         if self.fused_cpu is None:
-            return kernels.add_rms_norm(x, residual, weight, self.eps)
+            return chatgate_kernels.add_rms_norm(x, residual, weight, self.eps)
         out = torch.empty(residual.shape, dtype=self.dtype if final else torch.bfloat16)
         return self.fused_cpu.add_rms_norm(x, residual, weight, self.eps, out)
 
@@ -282,7 +283,7 @@ class LlamaModel:
             if self.fused_cpu is not None:
                 out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
                 return self.fused_cpu.silu_and_mul(gate_up, out)
-            return kernels.silu_and_mul(gate_up)
+            return chatgate_kernels.silu_and_mul(gate_up)
         return F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-import kernels
+import chatgate_kernels
 from engine.config import EngineConfig
 from engine.loader import LoadedModel, load_model
 from engine.model import AttentionMetadata, LlamaModel
@@ -119,7 +119,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         fp8 = config.kv_cache_dtype.startswith("fp8")
-        self.cache_dtype = kernels.reference.FP8 if fp8 else model.dtype
+        self.cache_dtype = chatgate_kernels.reference.FP8 if fp8 else model.dtype
         self.num_blocks = self._num_blocks(config, max_model_len)
         logger.info("allocating the KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
                     self.num_blocks, self.block_size,
@@ -225,8 +225,9 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
             max_query_len=max(lens), max_seq_len=max(lens),
-            plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc, slot_mapping,
-                                        bs, self.model.num_kv_heads, self.model.dtype),
+            plan=chatgate_kernels.attention_plan(block_tables, seq_lens, query_start_loc,
+                                                 slot_mapping, bs, self.model.num_kv_heads,
+                                                 self.model.dtype),
         )
         return meta, self._to_device(positions)
 
@@ -242,7 +243,7 @@ class ModelRunner:
         meta, positions = self._prefill_batch([n])
         m.forward(ids.to(self.device), positions, meta, scratch)
         amax = scratch.abs().amax(dim=(2, 3, 4, 5)).float()  # [2, num_layers]
-        scales = (amax * FP8_HEADROOM / kernels.reference.FP8_MAX).clamp_min(1e-6).tolist()
+        scales = (amax * FP8_HEADROOM / chatgate_kernels.reference.FP8_MAX).clamp_min(1e-6).tolist()
         logger.info("FP8 KV scales: k %.3g..%.3g, v %.3g..%.3g", min(scales[0]), max(scales[0]),
                     min(scales[1]), max(scales[1]))
         return list(zip(scales[0], scales[1], strict=True))
@@ -250,7 +251,7 @@ class ModelRunner:
     # -- host-side metadata ------------------------------------------------------------------
 
     def host_metadata(self, batch: ScheduledBatch) -> dict[str, np.ndarray]:
-        """Kernel inputs of one step as numpy arrays (see ``kernels/__init__.py``)."""
+        """Kernel inputs of one step as numpy arrays (see ``chatgate_kernels/__init__.py``)."""
         seqs = batch.seqs
         n = len(seqs)
         bs = self.block_size
@@ -341,9 +342,9 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             max_query_len=host["max_query_len"],
             max_seq_len=host["max_seq_len"],
-            plan=kernels.attention_plan(block_tables, seq_lens, query_start_loc, slot_mapping,
-                                        self.block_size, self.model.num_kv_heads,
-                                        self.cache_dtype),
+            plan=chatgate_kernels.attention_plan(block_tables, seq_lens, query_start_loc,
+                                                 slot_mapping, self.block_size,
+                                                 self.model.num_kv_heads, self.cache_dtype),
         )
         input_ids = self._to_device(host["input_ids"])
         if feed is not None:

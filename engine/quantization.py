@@ -13,7 +13,7 @@ greedy output equals transformers' only there.
   computes with the very weights llama.cpp reads. The output layer (tied to the embedding,
   Q8_0 in the packaged GGUF) stays ``int8``: 4 bits there cost more accuracy than the rest.
 
-Where the fused CPU kernels build with integer dot products (``kernels/cpu_native.cpp``:
+Where the fused CPU kernels build with integer dot products (``chatgate_kernels/cpu_native.cpp``:
 AVX512-VNNI or AVX2), both modes multiply through them instead: activations quantized to int8
 per group of 32 (llama.cpp's Q8_1) against the same weights, in integer dot products, the weight
 rows prefetched ahead. One kernel for every row count keeps a token's logits independent of how
@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_native import native
+from chatgate_kernels.cpu_native import native
 
 INT4_GROUP = 32  # Q4_1's block size
 
 
 def _fused_kernels(width: int):  # noqa: ANN202 - the compiled module or None
     """The fused CPU kernels' int8-activation products for inputs of ``width``, where they
-    run as SIMD integer dot products (``kernels/cpu_native.cpp``: AVX512-VNNI or AVX2); None
-    elsewhere (torch's packed kernels)."""
+    run as SIMD integer dot products (``chatgate_kernels/cpu_native.cpp``: AVX512-VNNI or
+    AVX2); None elsewhere (torch's packed kernels)."""
     fused = native()
     return fused if fused is not None and fused.integer_dots and width % 64 == 0 else None
 

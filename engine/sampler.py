@@ -20,9 +20,9 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
+from chatgate_kernels import exponential_noise, exponential_noise_at
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
-from kernels import exponential_noise, exponential_noise_at
 
 _CPU_NUCLEUS_DEPTH = 1024  # on CPU, top-p first looks for its nucleus among this many tokens
 # on CPU, the race draws noise only for the nonzero probabilities when they are fewer than
@@ -281,8 +281,8 @@ def _exponential_race(probs: torch.Tensor, keys: list[int | None]) -> torch.Tens
     """``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. per token: an exact draw from each row of
     the unnormalised, non-negative ``probs`` (the Gumbel-max trick in multiplicative form).
 
-    Each row's noise is a pure function of its key (``kernels.exponential_noise``: one launch
-    for the whole batch), so a seeded row's draw never depends on the rest of the batch; and
+    Each row's noise is a pure function of its key (``chatgate_kernels.exponential_noise``: one
+    launch for the whole batch), so a seeded row's draw never depends on the rest of the batch; and
     unlike an inverse CDF, whose cumulative sums turn a tiny difference in the logits (another
     batch size, another kernel) into another token, the race only flips on a near-exact tie.
     A token of probability 0 is never drawn."""

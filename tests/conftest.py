@@ -24,7 +24,7 @@ TINY = {
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    from kernels.cpu_native import native
+    from chatgate_kernels.cpu_native import native
 
     native()
 

@@ -1,4 +1,5 @@
-"""Triton paged attention over a flattened varlen batch (contract in ``kernels/__init__.py``).
+"""Triton paged attention over a flattened varlen batch (contract in
+``chatgate_kernels/__init__.py``).
 
 Two kernels share one entry point, with no host synchronisation:
 

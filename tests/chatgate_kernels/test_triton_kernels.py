@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import reference, triton_attention, triton_cache  # noqa: E402
+from chatgate_kernels import reference, triton_attention, triton_cache  # noqa: E402
 
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 

@@ -1,4 +1,4 @@
-"""Torch reference of the kernel contract (see ``kernels/__init__.py``).
+"""Torch reference of the kernel contract (see ``chatgate_kernels/__init__.py``).
 
 It is the CPU path of the engine and the oracle the Triton kernels are tested against, so it
 favours clarity, but batches decode rows into one padded SDPA call so CPU serving stays usable.

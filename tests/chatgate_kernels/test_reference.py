@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernels import reference
+from chatgate_kernels import reference
 
 
 def naive_attention(batch) -> torch.Tensor:

@@ -3,7 +3,7 @@ embedding (with the K/V cache write) and SiLU·mul.
 
 Each one rounds to the activation dtype exactly where transformers' Llama rounds (every torch
 op on bf16 computes in fp32 and rounds its result), so it reproduces the op-by-op torch path
-(``kernels/reference.py``) up to the fp32 summation order of the norm's mean of squares.
+(``chatgate_kernels/reference.py``) up to the fp32 summation order of the norm's mean of squares.
 One launch replaces 3–12 small kernels; no host synchronisation.
 """
 
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_cache import to_cache
+from chatgate_kernels.triton_cache import to_cache
 
 
 @triton.jit

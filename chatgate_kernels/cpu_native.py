@@ -3,7 +3,7 @@
 Building needs a C++ compiler and ninja (``torch.utils.cpp_extension``); the build is cached
 under ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``), so only the first engine on a
 machine waits for it (about half a minute on two cores). Without a compiler, or with
-``CHATGATE_CPU_KERNELS=0``, :func:`native` is None and the CPU runs ``kernels.reference``.
+``CHATGATE_CPU_KERNELS=0``, :func:`native` is None and the CPU runs ``chatgate_kernels.reference``.
 Processes that build or load it at once take turns on an ``flock``, which the system drops
 when its holder dies: a build killed half-way (Ctrl-C at a first start) leaves torch's own lock
 file behind, which would make every later load wait for it forever; under the flock that file
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-logger = logging.getLogger("kernels.cpu_native")
+logger = logging.getLogger("chatgate_kernels.cpu_native")
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]

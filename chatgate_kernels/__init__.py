@@ -22,8 +22,8 @@ transformers' op-by-op torch code (the quantized model calls ``cpu_native``'s fu
 itself). So does the sampler's counter-based noise.
 """
 
-from kernels import cpu_native
-from kernels.dispatch import (
+from chatgate_kernels import cpu_native
+from chatgate_kernels.dispatch import (
     add_rms_norm,
     attention_plan,
     exponential_noise,

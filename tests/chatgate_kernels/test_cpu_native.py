@@ -1,12 +1,12 @@
-"""The fused CPU kernels (``kernels/cpu_native.cpp``) against the torch reference."""
+"""The fused CPU kernels (``chatgate_kernels/cpu_native.cpp``) against the torch reference."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kernels import reference
-from kernels.cpu_native import native
+from chatgate_kernels import reference
+from chatgate_kernels.cpu_native import native
 
 pytestmark = pytest.mark.skipif(native() is None, reason="no C++ compiler to build the kernels")
 
@@ -148,12 +148,12 @@ def test_a_lock_left_by_a_killed_build_does_not_stall_the_next_load() -> None:
     import sys
     from pathlib import Path
 
-    from kernels.cpu_native import build_directory
+    from chatgate_kernels.cpu_native import build_directory
 
     build = build_directory()
     (build / "lock").touch()
     loaded = subprocess.run(
-        [sys.executable, "-c", "from kernels.cpu_native import native; "
+        [sys.executable, "-c", "from chatgate_kernels.cpu_native import native; "
                                "print(native() is not None)"],
         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
     assert loaded.stdout.strip() == "True", loaded.stderr[-2000:]

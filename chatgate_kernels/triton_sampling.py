@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference
+from chatgate_kernels import reference
 
 _BLOCK = 1024
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from kernels import reference
-from kernels.cpu_native import native
+from chatgate_kernels import reference
+from chatgate_kernels.cpu_native import native
 
 
 def _native_for(cache_dtype: torch.dtype):  # noqa: ANN202 - the compiled module or None
@@ -25,7 +25,7 @@ def reshape_and_cache(
 ) -> None:
     """Write ``key``/``value`` rows ``[num_tokens, num_kv_heads, head_dim]`` into their slots."""
     if key.is_cuda:
-        from kernels import triton_cache
+        from chatgate_kernels import triton_cache
 
         triton_cache.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
                                        k_scale, v_scale)
@@ -53,7 +53,7 @@ def paged_attention(
     into ``out`` when given (a static buffer, for CUDA graphs) and returned. ``plan``: the
     step's :func:`attention_plan` (CPU)."""
     if query.is_cuda:
-        from kernels import triton_attention
+        from chatgate_kernels import triton_attention
 
         return triton_attention.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -87,7 +87,7 @@ def _fused_or_reference(t: torch.Tensor):
     """``triton_fused`` for a CUDA tensor (imported on first use, so CPU never loads it),
     else ``reference``: both implement the elementwise contract below."""
     if t.is_cuda:
-        from kernels import triton_fused
+        from chatgate_kernels import triton_fused
 
         return triton_fused
     return reference
@@ -97,7 +97,7 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise ``[len(keys), vocab]`` (float32), a pure function of each row's 32-bit key
     (int64 ``keys``) and the column, the same on every device (see ``reference``)."""
     if keys.is_cuda:
-        from kernels import triton_sampling
+        from chatgate_kernels import triton_sampling
 
         return triton_sampling.exponential_noise(keys, vocab)
     return reference.exponential_noise(keys, vocab)
@@ -141,7 +141,7 @@ def rotary_and_cache(
     head_dim]``, and write the rotated ``key`` and ``value`` into their cache slots. ``plan``:
     the step's :func:`attention_plan` (CPU)."""
     if query.is_cuda:
-        from kernels import triton_fused
+        from chatgate_kernels import triton_fused
 
         triton_fused.rotary_and_cache(query, key, value, cos, sin, key_cache, value_cache,
                                       slot_mapping, k_scale, v_scale)

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import reference, triton_sampling  # noqa: E402
+from chatgate_kernels import reference, triton_sampling  # noqa: E402
 
 
 @pytest.mark.parametrize("vocab", [1, 1000, 2049])

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import reference, triton_fused  # noqa: E402
+from chatgate_kernels import reference, triton_fused  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
