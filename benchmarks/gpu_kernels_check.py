@@ -227,23 +227,26 @@ def draw_graph_case(masks_kind: str) -> float:
     host memory that the graph reads in place, one bitmask per batch (so the masked graphs are
     captured anew for each). ``masks_kind``: "none", "ready" (filled before the draw), or
     "late": the draw is queued while the bitmask is still all clear, and a thread fills it
-    20 ms later and then raises the grammar's host counter, so the device must wait for it
-    (``engine.stream_wait``). Returns the fraction of tokens that differ."""
+    20 ms later and then sets the grammar's host signal, so the device must wait for it
+    (``engine.stream_wait``; the masked graphs hold that wait). Returns the fraction of tokens
+    that differ."""
     import threading
     from concurrent.futures import Future
 
     from engine.draw_graphs import DrawGraphs
+    from engine.grammar_process import ended_bits
     from engine.sampler import draw, draw_key, shaped
     from engine.sampling_params import SamplingParams
-    from engine.stream_wait import HostCounter, device_view
+    from engine.stream_wait import HostSignal, device_view
     from engine.structured import GrammarCompiler, GrammarMasks
 
     vocab, sizes = 49152, (8, 64)
     static = {size: torch.empty(size, vocab, dtype=torch.bfloat16, device="cuda")
               for size in sizes}
     graphs = DrawGraphs(static)
-    counter = HostCounter.create(torch.zeros(1, dtype=torch.int32, pin_memory=True))
-    assert counter is not None, "no stream waits on host memory"
+    signal = HostSignal.create(torch.zeros(1, dtype=torch.int32, pin_memory=True),
+                               ended_bits(0))
+    assert signal is not None, "no stream waits on host memory"
     number = 0
     wrong = total = 0
     for size, n, temperatures in ((8, 5, (0.0, 0.7, 1.5)), (64, 64, (0.0, 0.7, 1.5)),
@@ -265,13 +268,13 @@ def draw_graph_case(masks_kind: str) -> float:
 
                 def fill(bitmask=shared[:n], filled=filled, number=number, job=job) -> None:
                     bitmask.copy_(filled)
-                    counter.raise_to(number)
+                    signal.set(ended_bits(number))
                     job.set_result(None)
 
                 mapped = device_view(shared)
                 assert mapped is not None, "pinned memory without a device address"
                 masks = GrammarMasks(number, shared[:n], list(range(1, n)),
-                                     lambda _, job=job: job.result(), counter, mapped)
+                                     lambda _, job=job: job.result(), signal, mapped)
                 # the eager draw's masks: filled already, copied to the device
                 reference = GrammarMasks(0, filled, masks.rows, lambda _: None, None)
                 if masks_kind == "ready":

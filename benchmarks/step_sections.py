@@ -4,10 +4,10 @@ sampler's draw graphs (``engine/draw_graphs.py``) on and off in turn in one proc
 
 Each section is timed by wrapping the engine's method of that name (``_read_inflight``,
 ``execute``, ...; ``submit(job)`` sending a mask job to the grammar worker, ``wait(job)``
-waiting for its answer, ``stream_wait`` queueing the device's wait for the masks,
-``capture`` a draw graph's first use), as ms per step, and how many reads of a step's
-tokens took over 1 ms (a read waits for the draw, which waits for its masks). A profiling aid:
-the wrappers add a little time to every section.
+waiting for its end, ``stream_wait`` queueing the device's wait for the masks (eager draws:
+a draw graph holds its own), ``capture`` a draw graph's first use), as ms per step, and how
+many reads of a step's tokens took over 1 ms (a read waits for the draw, which waits for its
+masks). A profiling aid: the wrappers add a little time to every section.
 
     python benchmarks/step_sections.py --device cuda --dtype bfloat16 \
         --model dummy:smollm2-135m --tokenizer DIR --repeat 3
@@ -80,8 +80,8 @@ def instrument(engine: Any) -> None:
 
     def wait(number: int, job_error: bool = True) -> None:
         inner_wait(number, job_error)
-        if worker.last_job_times and len(JOBS) < len(SENT):
-            JOBS.append(tuple(worker.last_job_times))
+        if len(JOBS) < len(SENT):
+            JOBS.append(worker.last_job_times)
     worker.wait = wait
     read = engine._read_inflight
 
@@ -91,19 +91,21 @@ def instrument(engine: Any) -> None:
         finally:
             READ_AT.append(time.perf_counter())
     engine._read_inflight = read_at
-    counter = worker.counter
-    if counter is not None:  # the device's waits for masks, timed on the device
+    signal = worker.signal
+    if signal is not None:  # the eager draws' waits for masks, timed on the device
         import torch
-        stream_wait = timed(counter.stream_wait, "stream_wait")
+        stream_wait = timed(signal.stream_wait, "stream_wait")
 
-        def timed_stream_wait(value: int) -> None:
+        def timed_stream_wait(bits: int) -> None:
+            if torch.cuda.is_current_stream_capturing():  # a draw graph's own wait
+                return stream_wait(bits)
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            stream_wait(value)
+            stream_wait(bits)
             end.record()
             STALLS.append((start, end))
-        counter.stream_wait = timed_stream_wait
+        signal.stream_wait = timed_stream_wait
 
 
 def job_latencies(log: Callable[[str], None]) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from engine.sampler import draw_plain, filled_keys
 from engine.sampling_params import SamplingParams
+from engine.stream_wait import HostSignal
 from engine.structured import GrammarMasks, apply_bitmask
 
 
@@ -18,8 +19,10 @@ class DrawGraphs:
     draw with sampled rows, their temperatures and keys go to the device in one copy from a
     pinned buffer (reused once its last copy is done). A masked graph reads the grammar
     bitmask where the grammar worker writes it (``GrammarMasks.device``, one int32 row per
-    row, all bits set where a row has no grammar), behind a stream wait for its job; a new
-    bitmask (the worker's grew or was replaced) has its graphs captured anew."""
+    row, all bits set where a row has no grammar) behind a wait for its job's signal that the
+    graph holds itself (one graph per ``GrammarMasks.ended_bits``: a job's bits alternate), so
+    a masked draw is one launch too; a new bitmask or signal (the worker's bitmask grew, or a
+    new worker) has its graphs captured anew."""
 
     def __init__(self, logits: dict[int, torch.Tensor]) -> None:
         """``logits``: each decode graph's static logits output, by padded batch size. The
@@ -32,18 +35,23 @@ class DrawGraphs:
         self._inputs = torch.zeros(2, max_rows, dtype=torch.float64, device=device)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        self._bitmask: torch.Tensor | None = None  # the one the masked graphs read
-        self._graphs: dict[tuple[int, bool, bool],
+        # the bitmask and signal the masked graphs hold
+        self._bitmask: torch.Tensor | None = None
+        self._signal: HostSignal | None = None
+        # (size, masked, greedy only, the signal bits waited for: 0 for none)
+        self._graphs: dict[tuple[int, bool, bool, int],
                            tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         for size in sorted(logits, reverse=True):  # largest first: the others reuse its pool
-            self._graphs[size, False, False] = self._capture(size, False, False)
+            self._graphs[size, False, False, 0] = self._capture(size, False, False, 0)
 
     def draw(self, size: int, params: list[SamplingParams], keys: list[int | None],
              masks: GrammarMasks | None) -> torch.Tensor:
         """The tokens of the first ``len(params)`` rows of the size-``size`` decode graph's
         logits (all rows ``plain``), drawn on the device without waiting for them, under
-        ``masks`` if any (their ``device`` bitmask with at least ``size`` rows) once filled."""
+        ``masks`` if any (their ``device`` bitmask with at least ``size`` rows) once filled:
+        the graph waits for them on the device where ``masks`` have a signal, else the host
+        waits before it is launched."""
         n = len(params)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:  # (a greedy-only graph reads no inputs)
@@ -54,26 +62,34 @@ class DrawGraphs:
             staged[1, sampled] = filled_keys([keys[i] for i in sampled])
             self._inputs.copy_(self._staged, non_blocking=True)  # 4 KB at most: all of it
             self._copied.record()
+        bits = 0
         if masks is not None:
-            bitmask = masks.device
-            assert bitmask is not None and bitmask.shape[0] >= size
-            if self._bitmask is None or bitmask.data_ptr() != self._bitmask.data_ptr():
+            assert masks.device is not None and masks.device.shape[0] >= size
+            if (self._bitmask is None or masks.device.data_ptr() != self._bitmask.data_ptr()
+                    or masks.signal is not self._signal):
                 self._graphs = {key: graph for key, graph in self._graphs.items() if not key[1]}
-                self._bitmask = bitmask
-            masks.wait_on_device()
-        key = (size, masks is not None, not sampled)
+                self._bitmask, self._signal = masks.device, masks.signal
+            if masks.signal is not None:
+                bits = masks.ended_bits
+            else:
+                masks.wait_on_device()  # (the host waits)
+        key = (size, masks is not None, not sampled, bits)
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         graph, tokens = self._graphs[key]
         graph.replay()
         return tokens[:n]
 
-    def _capture(self, size: int, masked: bool,
-                 greedy_only: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The graph and its static tokens output."""
+    def _capture(self, size: int, masked: bool, greedy_only: bool,
+                 bits: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph and its static tokens output; a masked one reads ``self._bitmask`` and
+        starts with a wait for ``bits`` of ``self._signal`` (none for 0)."""
         bitmask = self._bitmask[:size] if masked and self._bitmask is not None else None
+        signal = self._signal if bits else None
 
         def body() -> torch.Tensor:
+            if signal is not None:
+                signal.stream_wait(bits)
             return draw_plain(self._logits[size], self._inputs[0, :size].float(),
                               self._inputs[1, :size].long(),
                               (lambda x: apply_bitmask(x, bitmask)) if bitmask is not None
@@ -90,3 +106,4 @@ class DrawGraphs:
             tokens = body()
         self._pool = graph.pool()
         return graph, tokens
+

@@ -20,13 +20,23 @@ import numpy as np
 import torch
 
 MAX_WHITESPACE = 16  # whitespace characters allowed between two JSON tokens
+ALL_ENDED = 0b11  # the signal word of a worker that exited: every wait for a job passes
+
+
+def ended_bits(number: int) -> int:
+    """The signal word once job ``number`` has ended: the bit of its parity. One job is
+    outstanding at a time, so while job ``number`` runs the word is its predecessor's, the
+    other bit."""
+    return 1 << (number & 1)
 
 
 class MaskJob(NamedTuple):
-    """One job: map the bitmask sent after it if ``new_bitmask_rows`` (its row count, set by
-    :meth:`GrammarWorker.submit`), create matchers ``created`` (id, JSON schema), advance matcher
-    ``accepting[i]`` by ``tokens[i]``, fill bitmask row ``rows[i]`` from matcher
-    ``filling[i]``, forget matchers ``dropped``; then raise the counter to ``number``."""
+    """One job: map the bitmask sent after it if ``new_bitmask_rows`` (its row count), create
+    matchers ``created`` (id, JSON schema), advance matcher ``accepting[i]`` by ``tokens[i]``,
+    fill bitmask row ``rows[i]`` from matcher ``filling[i]``, forget matchers ``dropped``; then
+    record the job's end in the shared :class:`JobState`, and answer (job number, error or
+    None) if the job failed or ``answer`` is set. :meth:`GrammarWorker.submit` sets the last
+    two fields."""
 
     number: int
     created: list[tuple[int, str]]
@@ -35,7 +45,21 @@ class MaskJob(NamedTuple):
     tokens: list[int]
     filling: list[int]
     rows: list[int]
+    answer: bool = True
     new_bitmask_rows: int = 0
+
+
+class JobState:
+    """The page of job state the worker shares with the engine (a memfd mapping, page-locked
+    and its first word waited on by CUDA streams where there is a GPU): ``words[0]`` is the
+    signal word, ``ended_bits`` of the last job ended (``ALL_ENDED`` once the worker has
+    exited), ``words[1]`` the number of the last job that failed (0: none yet), ``times`` the
+    ``time.perf_counter()`` at which the last job ended was received and ended (the system's
+    monotonic clock, which both processes read alike). The worker writes the words last."""
+
+    def __init__(self, page: mmap.mmap) -> None:
+        self.words = np.frombuffer(page, dtype=np.uint32, count=2)
+        self.times = np.frombuffer(page, dtype=np.float64, count=2, offset=8)
 
 
 def compile_json_schema(compiler: Any, schema: str) -> Any:
@@ -70,21 +94,19 @@ def _batch_matcher() -> Any:
 
 
 def main() -> None:
-    """The worker process, with last arguments ``SOCKET COUNTER INFO WORDS`` (inherited file
-    descriptors: the socket to the engine, the counter's mapping, the serialized tokenizer
-    info; int32 words per bitmask row). Serves jobs until the engine's end of the socket
-    closes; each answer is (job number, error or None, ``time.perf_counter()`` when the job
-    was received and when its counter was raised: the system's monotonic clock, which the
-    engine's process reads alike)."""
+    """The worker process, with last arguments ``SOCKET STATE INFO WORDS`` (inherited file
+    descriptors: the socket to the engine, the :class:`JobState` page's mapping, the serialized
+    tokenizer info; int32 words per bitmask row). Serves jobs until the engine's end of the
+    socket closes."""
     import xgrammar as xgr
 
-    socket_fd, counter_fd, info_fd, words = map(int, sys.argv[-4:])
+    socket_fd, state_fd, info_fd, words = map(int, sys.argv[-4:])
     conn = Connection(socket_fd)
     with os.fdopen(info_fd, "rb") as info:
         info.seek(0)  # the engine's write left the shared offset at the end
         tokenizer_info = info.read().decode()
-    counter = np.frombuffer(mmap.mmap(counter_fd, mmap.PAGESIZE), dtype=np.uint32, count=1)
-    os.close(counter_fd)
+    state = JobState(mmap.mmap(state_fd, mmap.PAGESIZE))
+    os.close(state_fd)
     bitmask = torch.empty(0, words, dtype=torch.int32)
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info))
     grammars: dict[str, object] = {}
@@ -114,9 +136,12 @@ def main() -> None:
                 matchers.pop(matcher_id, None)  # (made by a worker before this one: never here)
         except Exception as e:  # the engine raises it where the masks are used
             error = f"{type(e).__name__}: {e}"
-        finally:
-            counter[0] = job.number & 0xFFFFFFFF
-        conn.send_bytes(pickle.dumps((job.number, error, received, time.perf_counter())))
+        if error is not None or job.answer:  # (sent before the job is seen to end)
+            conn.send_bytes(pickle.dumps((job.number, error)))
+        state.times[:] = received, time.perf_counter()
+        if error is not None:
+            state.words[1] = job.number & 0xFFFFFFFF
+        state.words[0] = ended_bits(job.number)
 
 
 if __name__ == "__main__":

@@ -4,16 +4,18 @@ engine's thread for the GIL.
 
 The engine (:class:`GrammarWorker`) and the worker (``engine/grammar_process.py``, run by its
 path so that it imports only xgrammar, torch and numpy) share two memory mappings
-(memfds): a 32-bit job counter, and the bitmask rows (replaced by a larger one when a step has
-more rows: the job that first uses a bitmask sends it along). On a GPU both are page-locked
-and mapped for the device, whose kernels read the bitmask in place. A job is one message
-(``MaskJob``): the matchers it creates, the tokens matchers advance by, the rows to fill,
-and the matchers dropped since the last job. The worker advances, fills, then raises the counter
-to the job's number (whatever happened: a CUDA stream may be waiting on it, see
-``engine.stream_wait``) and answers with the job's error, if any. One job is outstanding at a
-time: the engine reads a job's answer (:meth:`GrammarWorker.wait`) before it sends the next.
-When the worker exits, a watcher thread raises the counter far ahead, so that no stream waits
-for it forever, and every later wait raises.
+(memfds): the job state (``grammar_process.JobState``: a signal word, the last failed job),
+and the bitmask rows (replaced by a larger one when a step has more rows: the job that first
+uses a bitmask sends it along). On a GPU both are page-locked and mapped for the device, whose
+kernels read the bitmask in place. A job is one message (``MaskJob``): the matchers it
+creates, the tokens matchers advance by, the rows to fill, and the matchers dropped since the
+last job. The worker advances, fills, then sets the signal word to the job's ``ended_bits``
+(whatever happened: a CUDA stream may be waiting on it, see ``engine.stream_wait``). It
+answers a job that failed, with its error; every job only where there is no GPU signal and
+the host waits for the answers. One job is outstanding at a time: the engine waits for a job
+(:meth:`GrammarWorker.wait`) before it sends the next, so a wait for a job's bit can only pass
+once that job has ended. When the worker exits, a watcher thread sets every bit, so that no
+stream waits for it forever, and every later wait raises.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
@@ -32,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from engine.grammar_process import MaskJob
+from engine.grammar_process import ALL_ENDED, JobState, MaskJob, ended_bits
 from engine.stream_wait import (
-    HostCounter,
+    HostSignal,
     device_view,
     register_host_memory,
     unregister_host_memory,
@@ -44,55 +47,57 @@ from engine.stream_wait import (
 _PROCESS = Path(__file__).with_name("grammar_process.py")
 _RUN = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
 MIN_BITMASK_ROWS = 64
-_AHEAD = 1 << 30  # how far past the last job a dead worker's counter is raised
+_POLL_S = 20e-6  # a host wait for a job's signal sleeps this long between looks (a rare wait)
 
 
 class GrammarWorker:
-    """The engine's end of the worker (see the module docstring). ``counter`` is the job
-    counter a CUDA stream can wait on, None where the host must wait for a job's answer instead
-    (``pin`` false, as on a CPU, or no driver support); ``pin`` also page-locks the bitmask and
-    maps it for the device (``device_bitmask``: all its rows, None where that failed)."""
+    """The engine's end of the worker (see the module docstring). ``signal`` is the signal
+    word a CUDA stream can wait on, None where the host must wait for a job's answer instead
+    (``pin`` false, as on a CPU, or no driver support: then ``answers``, every job answered);
+    ``pin`` also page-locks the bitmask and maps it for the device (``device_bitmask``: all its
+    rows, None where that failed)."""
 
     def __init__(self, tokenizer_info: str, words: int, pin: bool) -> None:
         """``tokenizer_info``: xgrammar's ``TokenizerInfo``, serialized; ``words``: int32 per
         bitmask row."""
         self.words = words
-        counter_fd = os.memfd_create("chatgate-grammar-counter")
+        state_fd = os.memfd_create("chatgate-grammar-state")
         info_fd = os.memfd_create("chatgate-tokenizer-info")
         ours, theirs = socket.socketpair()
         try:
-            os.ftruncate(counter_fd, mmap.PAGESIZE)
-            self._counter_mapping = mmap.mmap(counter_fd, mmap.PAGESIZE)
+            os.ftruncate(state_fd, mmap.PAGESIZE)
+            self._state_mapping = mmap.mmap(state_fd, mmap.PAGESIZE)
             with os.fdopen(os.dup(info_fd), "wb") as info:
                 info.write(tokenizer_info.encode())
-            fds = (theirs.fileno(), counter_fd, info_fd)
+            fds = (theirs.fileno(), state_fd, info_fd)
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _RUN, str(_PROCESS), *map(str, fds), str(words)],
                 pass_fds=fds)
         finally:
             theirs.close()
-            os.close(counter_fd)
+            os.close(state_fd)
             os.close(info_fd)
         self._conn = Connection(ours.detach())
         self._pin = pin
         self._pinned: list[torch.Tensor] = []  # page-locked memory, unlocked by close
         self._close = weakref.finalize(self, _close, self._conn, self._proc, self._pinned)
         self._close.atexit = False  # (at exit the worker sees the socket close)
-        counter = torch.frombuffer(self._counter_mapping, dtype=torch.int32)
-        self.counter = None
-        if pin and register_host_memory(counter):
-            self._pinned.append(counter)
-            self.counter = HostCounter.create(counter[:1])
+        self._state = JobState(self._state_mapping)
+        page = torch.frombuffer(self._state_mapping, dtype=torch.int32)
+        self.signal = None
+        if pin and register_host_memory(page):
+            self._pinned.append(page)
+            self.signal = HostSignal.create(page[:1], ended_bits(0))  # no job yet
+        # every job is answered where the host waits for the answers (no signal)
+        self.answers = self.signal is None
         self._bitmask = torch.empty(0, words, dtype=torch.int32)
         self.device_bitmask: torch.Tensor | None = None
         self._bitmask_fd: int | None = None  # a new bitmask's, until a job sends it
-        self._submitted = self._answered = 0
+        self._submitted = self._ended = 0
         self._errors: dict[int, str] = {}
-        # the last answered job's (received, done) ``time.perf_counter()`` in the worker
-        self.last_job_times: list[float] = []
         # set once a send or a wait has found the worker gone (no system call a step to ask)
         self.exit_code: int | None = None
-        threading.Thread(target=_raise_when_exited, args=(self._proc, self.counter),
+        threading.Thread(target=_signal_when_exited, args=(self._proc, self._state),
                          name="grammar-worker-watch", daemon=True).start()
 
     def bitmask(self, rows: int, reserve: int = 0) -> torch.Tensor:
@@ -117,13 +122,14 @@ class GrammarWorker:
         return self._bitmask[:rows]
 
     def submit(self, job: MaskJob) -> None:
-        """Send ``job`` (numbered one past the last, with a new bitmask's row count if
-        :meth:`bitmask` made one); the last job must have been waited for."""
-        assert job.number == self._submitted + 1 and self._answered == self._submitted
+        """Send ``job`` (numbered one past the last; asking for an answer where there is no
+        signal, and with a new bitmask's row count if :meth:`bitmask` made one); the last job
+        must have been waited for."""
+        assert job.number == self._submitted + 1 and self._ended == self._submitted
         new_rows = self._bitmask.shape[0] if self._bitmask_fd is not None else 0
         try:
             # plain pickle: multiprocessing's pickler copies the reducer table every message
-            self._conn.send_bytes(pickle.dumps((*job[:-1], new_rows)))
+            self._conn.send_bytes(pickle.dumps((*job[:-2], self.answers, new_rows)))
             if self._bitmask_fd is not None:
                 send_handle(self._conn, self._bitmask_fd, self._proc.pid)
         except OSError:
@@ -134,17 +140,42 @@ class GrammarWorker:
         self._submitted = job.number
 
     def wait(self, number: int, job_error: bool = True) -> None:
-        """Wait until job ``number`` has ended; raise its error if it failed (unless not
-        ``job_error``), or if the worker exited before it ended."""
-        while self._answered < number:
+        """Wait until job ``number`` (the last submitted, or one before) has ended: for its
+        answer where there is no signal, else for its signal (at once, where a stream's wait for
+        it has run), reading an answer only if the job failed. Raise its error if it failed
+        (unless not ``job_error``), or if the worker exited."""
+        if self._ended < number:
+            if self.answers:
+                self._receive(number)
+            else:
+                bits = ended_bits(number)
+                while not self._state.words[0] & bits:
+                    time.sleep(_POLL_S)
+                if self._state.words[0] == ALL_ENDED:
+                    raise self._exited()
+                if self._state.words[1] == number & 0xFFFFFFFF:
+                    self._receive(number)
+            self._ended = number
+        if job_error and number in self._errors:
+            raise RuntimeError(f"grammar mask job failed: {self._errors[number]}")
+
+    @property
+    def last_job_times(self) -> tuple[float, float]:
+        """The last job ended's ``time.perf_counter()`` when the worker received it and when
+        it ended (the system's monotonic clock, which this process reads alike)."""
+        received, ended = self._state.times
+        return float(received), float(ended)
+
+    def _receive(self, number: int) -> None:
+        """Read answers up to job ``number``'s, recording their errors."""
+        answered = 0
+        while answered < number:
             try:
-                self._answered, error, *self.last_job_times = self._conn.recv()
+                answered, error = self._conn.recv()
             except (EOFError, OSError):
                 raise self._exited() from None
             if error is not None:
-                self._errors[self._answered] = error
-        if job_error and number in self._errors:
-            raise RuntimeError(f"grammar mask job failed: {self._errors[number]}")
+                self._errors[answered] = error
 
     def close(self) -> None:
         """Stop the worker (it exits when its end of the socket closes) and unlock the shared
@@ -169,9 +200,8 @@ def _close(conn: Connection, proc: subprocess.Popen[bytes], pinned: list[torch.T
         unregister_host_memory(pinned.pop())
 
 
-def _raise_when_exited(proc: subprocess.Popen[bytes], counter: HostCounter | None) -> None:
-    """Once the worker has exited, raise ``counter`` past any job, so that no stream waits
-    forever (the job outstanding, if any, is at most one past the counter)."""
+def _signal_when_exited(proc: subprocess.Popen[bytes], state: JobState) -> None:
+    """Once the worker has exited, set every bit of the signal word in ``state``, so that no
+    stream waits forever."""
     proc.wait()
-    if counter is not None:
-        counter.raise_to(counter.value + _AHEAD)
+    state.words[0] = ALL_ENDED

@@ -1,14 +1,14 @@
-"""A counter in page-locked host memory that a CUDA stream waits on: a host thread, or
-another process sharing the memory, raises it (:meth:`HostCounter.raise_to`), and work queued
-after :meth:`HostCounter.stream_wait` runs only once the counter has reached the value waited
-for, without any host thread blocking meanwhile (the driver's ``cuStreamWaitValue32``, which
-polls the host memory from the device). :func:`register_host_memory` page-locks memory that
-torch did not allocate (a mapping shared with another process).
+"""A signal word in page-locked host memory that a CUDA stream waits on: a host thread, or
+another process sharing the memory, sets it (:meth:`HostSignal.set`), and work queued after
+:meth:`HostSignal.stream_wait` runs only once the word has one of the bits waited for, without
+any host thread blocking meanwhile (the driver's ``cuStreamWaitValue32``, which polls the host
+memory from the device). Because the bits waited for are fixed when the wait is queued, the
+wait can be captured into a CUDA graph and replayed with it. :func:`register_host_memory`
+page-locks memory that torch did not allocate (a mapping shared with another process).
 
-The counter is 32 bits and compared cyclically (``(int32)(counter - value) >= 0``), so it may
-wrap. Invariant for whoever queues a wait: the thread that will raise the counter must never
-need what the waiting stream's work produces, nor the GIL of a thread that waits for that work
-while holding it (torch's waits for the device release the GIL).
+Invariant for whoever queues a wait: the thread that will set the bits must never need what
+the waiting stream's work produces, nor the GIL of a thread that waits for that work while
+holding it (torch's waits for the device release the GIL).
 """
 
 import ctypes
@@ -20,7 +20,7 @@ import torch
 
 logger = logging.getLogger("engine")
 
-_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+_WAIT_AND = 0x2  # CU_STREAM_WAIT_VALUE_AND: until (word & value) != 0
 
 
 @cache
@@ -52,7 +52,7 @@ _REGISTER_PORTABLE_DEVICEMAP = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | _DEVIC
 def register_host_memory(memory: torch.Tensor) -> bool:
     """Page-lock and map for the device the host memory under the contiguous CPU tensor
     ``memory`` (until :func:`unregister_host_memory`), so that copies from it are DMA reads at
-    the time the stream runs them and a counter in it can be waited on; False (logged) where
+    the time the stream runs them and a signal in it can be waited on; False (logged) where
     the driver refuses."""
     driver = _driver()
     status = (driver.cuMemHostRegister_v2(ctypes.c_void_p(memory.data_ptr()),
@@ -102,55 +102,56 @@ def unregister_host_memory(memory: torch.Tensor) -> None:
     driver.cuMemHostUnregister(ctypes.c_void_p(memory.data_ptr()))
 
 
-class HostCounter:
+class HostSignal:
     """See the module docstring. Build with :meth:`create`."""
 
     def __init__(self, host: torch.Tensor, device_address: int, driver: ctypes.CDLL) -> None:
         self._host = host  # keeps the pinned memory alive
-        self._value = host.numpy().view(np.uint32)
-        self._address = device_address
+        self._word = host.numpy().view(np.uint32)
+        self.address = device_address  # where the device reads the word
         self._driver = driver
         self._device = torch.cuda.current_device()
 
     @staticmethod
-    def create(host: torch.Tensor) -> "HostCounter | None":
-        """A counter at 0 in ``host`` (one int32 in page-locked host memory) for the current
-        CUDA device, checked by one wait on it; None (logged) where the driver does not offer
-        stream waits on host memory."""
+    def create(host: torch.Tensor, bits: int) -> "HostSignal | None":
+        """A signal set to ``bits`` in ``host`` (one int32 in page-locked host memory) for the
+        current CUDA device, checked by one wait on it; None (logged) where the driver does not
+        offer stream waits on host memory."""
         driver = _driver()
         if driver is None:
             logger.warning("the CUDA driver has no cuStreamWaitValue32: the host waits instead")
             return None
-        host.zero_()
         address = ctypes.c_uint64()
         status = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(address),
                                                      ctypes.c_void_p(host.data_ptr()), 0)
-        counter = HostCounter(host, address.value, driver)
+        signal = HostSignal(host, address.value, driver)
+        signal.set(bits)
         if status == 0:
-            status = counter._wait(0)
+            status = signal._wait(bits)
             torch.cuda.current_stream().synchronize()
         if status != 0:
             logger.warning("stream waits on host memory failed (CUDA error %d): the host waits "
                            "instead", status)
             return None
-        return counter
+        return signal
 
     @property
-    def value(self) -> int:
-        return int(self._value[0])
+    def bits(self) -> int:
+        return int(self._word[0])
 
-    def raise_to(self, value: int) -> None:
-        """Set the counter to ``value`` (wrapped to 32 bits); any thread."""
-        self._value[0] = value & 0xFFFFFFFF
+    def set(self, bits: int) -> None:
+        """Make the word ``bits`` (32 of them); any thread."""
+        self._word[0] = bits & 0xFFFFFFFF
 
-    def stream_wait(self, value: int) -> None:
-        """Make the current stream's later work wait until the counter reaches ``value``."""
-        status = self._wait(value)
+    def stream_wait(self, bits: int) -> None:
+        """Make the current stream's later work (or, while it captures, the graph's) wait until
+        the word has one of ``bits`` set."""
+        status = self._wait(bits)
         if status != 0:
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUDA error {status}")
 
-    def _wait(self, value: int) -> int:
+    def _wait(self, bits: int) -> int:
         # the raw handle, as Triton's launcher reads it (``current_stream()`` builds a Stream)
         stream = ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(self._device))
-        return self._driver.cuStreamWaitValue32_v2(stream, self._address,
-                                                   value & 0xFFFFFFFF, _WAIT_GEQ)
+        return self._driver.cuStreamWaitValue32_v2(stream, self.address, bits & 0xFFFFFFFF,
+                                                   _WAIT_AND)

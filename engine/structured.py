@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.grammar_process import MaskJob, compile_json_schema
+from engine.grammar_process import MaskJob, compile_json_schema, ended_bits
 from engine.grammar_worker import GrammarWorker
-from engine.stream_wait import HostCounter
+from engine.stream_wait import HostSignal
 
 logger = logging.getLogger("engine")
 
@@ -86,7 +86,7 @@ class GrammarCompiler:
     waits for it), and a job rewrites the one shared bitmask: it is made only once the tokens
     drawn under the last masks are read, so no kernel reads them any more. On a GPU, kernels
     read the bitmask where the worker wrote it (mapped for the device) once a stream wait for
-    the job's counter lets them (:meth:`GrammarMasks.wait_on_device`); elsewhere the host waits
+    the job's signal lets them (:meth:`GrammarMasks.wait_on_device`); elsewhere the host waits
     for the job's answer. A job that fails (its error raised by :meth:`GrammarMasks.result`)
     fails only the step that reads the tokens drawn under its masks. A worker that exits fails
     the step waiting for it; the next :meth:`masks` starts a new one, which serves the matchers
@@ -104,7 +104,9 @@ class GrammarCompiler:
         self._num_matchers = self._num_jobs = 0
         self._created: list[tuple[Matcher, StructuredOutput]] = []
         self._dropped: list[int] = []  # appended to by the matchers' finalizers
-        self._accepted: list[tuple[Matcher, int]] = []
+        # the matchers (by id) and tokens recorded since the last job
+        self._accepting: list[int] = []
+        self._tokens: list[int] = []
 
     @cached_property
     def stop_token_ids(self) -> frozenset[int]:
@@ -128,7 +130,9 @@ class GrammarCompiler:
     def accept(self, matchers: Sequence[Matcher], tokens: Sequence[int]) -> None:
         """Record that each matcher's output went on with its token (a sampled token is always
         one its grammar allowed); the matchers advance before their next masks are filled."""
-        self._accepted += zip(matchers, tokens, strict=True)
+        assert len(matchers) == len(tokens)
+        self._accepting += [m.id for m in matchers]
+        self._tokens += tokens
 
     def masks(self, matchers: Sequence[Matcher | None], padded_rows: int = 0) -> GrammarMasks:
         """Start filling, in the grammar worker, the token masks of one logits row per matcher:
@@ -145,9 +149,11 @@ class GrammarCompiler:
         # the last job has ended (its error, if any, is the step's that reads the tokens drawn
         # under its masks: the matchers it failed on belong to requests that step fails)
         worker.wait(self._num_jobs, job_error=False)
-        accepted, self._accepted = self._accepted, []
+        accepting, tokens = self._accepting, self._tokens
+        self._accepting, self._tokens = [], []
         stops = self.stop_token_ids
-        ended = {m.id for m, token in accepted if token in stops}
+        ended = ({i for i, token in zip(accepting, tokens, strict=True) if token in stops}
+                 if not stops.isdisjoint(tokens) else ())
         rows = [i for i, m in enumerate(matchers) if m is not None and m.id not in ended]
         bitmask = worker.bitmask(len(matchers), padded_rows)
         if len(rows) < len(matchers):
@@ -159,10 +165,9 @@ class GrammarCompiler:
         dropped = self._dropped[:]
         del self._dropped[:len(dropped)]
         self._num_jobs += 1
-        worker.submit(MaskJob(self._num_jobs, created, dropped, [m.id for m, _ in accepted],
-                              [token for _, token in accepted],
+        worker.submit(MaskJob(self._num_jobs, created, dropped, accepting, tokens,
                               [matchers[i].id for i in rows], rows))  # type: ignore[union-attr]
-        return GrammarMasks(self._num_jobs, bitmask, rows, worker.wait, worker.counter,
+        return GrammarMasks(self._num_jobs, bitmask, rows, worker.wait, worker.signal,
                             worker.device_bitmask)
 
     @staticmethod
@@ -196,7 +201,7 @@ class GrammarCompiler:
             self._worker = None
             self._num_workers += 1
             self._num_jobs = 0
-            self._accepted, self._dropped[:] = [], []
+            self._accepting, self._tokens, self._dropped[:] = [], [], []
             for matcher, _ in self._created:  # not sent yet: the new worker makes them
                 matcher.worker = self._num_workers
         if self._worker is None:
@@ -224,8 +229,8 @@ class GrammarCompiler:
 class GrammarMasks:
     """The token masks of one step's logits rows ``rows`` (the others are left as they are:
     all bits set), being filled by mask job ``number`` into ``bitmask`` (host memory, one row
-    per logits row): ``wait(number)`` returns once it has ended, and ``counter`` (None: the
-    host waits) reaches ``number`` then. ``device``: the whole shared bitmask as a CUDA tensor
+    per logits row): ``wait(number)`` returns once it has ended, and ``signal`` (None: the
+    host waits) has ``ended_bits`` set then. ``device``: the whole shared bitmask as a CUDA tensor
     over the same memory (``bitmask`` is its first rows), None where it is not mapped for a
     device."""
 
@@ -233,8 +238,14 @@ class GrammarMasks:
     bitmask: torch.Tensor
     rows: list[int]
     wait: Callable[[int], None]
-    counter: HostCounter | None
+    signal: HostSignal | None
     device: torch.Tensor | None = None
+
+    @property
+    def ended_bits(self) -> int:
+        """The bits ``signal`` has once the masks are filled (``grammar_process.ended_bits``:
+        fixed for every other job, so a CUDA graph can hold a wait for them)."""
+        return ended_bits(self.number)
 
     def result(self) -> None:
         """Wait for the masks; their job's error is raised here."""
@@ -242,12 +253,12 @@ class GrammarMasks:
 
     def wait_on_device(self) -> None:
         """Make the current stream's later work (kernels that read ``device``) wait until the
-        masks are filled; the host waits instead where there is no counter. The job's error is
+        masks are filled; the host waits instead where there is no signal. The job's error is
         raised by :meth:`result`, which whoever reads the tokens drawn calls."""
-        if self.counter is None:
+        if self.signal is None:
             self.result()
         else:
-            self.counter.stream_wait(self.number)
+            self.signal.stream_wait(self.ended_bits)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
