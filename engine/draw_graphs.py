@@ -106,4 +106,3 @@ class DrawGraphs:
             tokens = body()
         self._pool = graph.pool()
         return graph, tokens
-

@@ -135,10 +135,6 @@ class HostSignal:
             return None
         return signal
 
-    @property
-    def bits(self) -> int:
-        return int(self._word[0])
-
     def set(self, bits: int) -> None:
         """Make the word ``bits`` (32 of them); any thread."""
         self._word[0] = bits & 0xFFFFFFFF
