@@ -1,9 +1,9 @@
 """Check the Triton kernels on a CUDA GPU against the float64 torch reference.
 
 Large shapes, fresh random inputs for every case, outputs poisoned with NaN before each call,
-every configuration the kernels support (dtypes, head dims, block sizes, GQA ratios), the
-direct and split-K decode paths, mixed decode + prefill + extend batches, reshape_and_cache
-with padding slots, a CUDA-graph capture of the decode path, and the ``kernels`` dispatcher;
+every configuration the kernels support (dtypes, head dims, block sizes, GQA ratios), the direct
+and split-K decode paths, mixed decode + prefill + extend batches, reshape_and_cache with
+padding slots, a CUDA-graph capture of the decode path, and the ``chatgate_kernels`` dispatcher;
 FP8 caches (decode, mixed batches, and the cache writes of ``reshape_and_cache`` and
 ``rotary_and_cache``, which must store the very codes torch's conversion gives).
 The fused elementwise kernels (``chatgate_kernels/triton_fused.py``) are checked against

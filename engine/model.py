@@ -3,8 +3,9 @@ around the paged-attention kernels, computing over a flattened varlen batch.
 
 It mirrors transformers' Llama numerics op for op (separate projections, fp32 RMSNorm, the same
 rotary tables) so greedy tokens match transformers' token for token. The elementwise steps go
-through ``kernels`` (fused Triton launches on CUDA that round where transformers rounds; on
-CPU the fused C++ rotary, bit-identical, and transformers' op-by-op torch code for the rest).
+through ``chatgate_kernels`` (fused Triton launches on CUDA that round where transformers
+rounds; on CPU the fused C++ rotary, bit-identical, and transformers' op-by-op torch code for
+the rest).
 Quantized on the CPU, the norms and SiLU·mul are the fused CPU kernels' (``fused_cpu``).
 """
 
@@ -134,7 +135,8 @@ class LlamaModel:
         # the norm after each layer's MLP: the next layer's input norm, then the final norm
         self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         self.decoder_stack = self._decoder_stack()
-        # each layer's (k_scale, v_scale) for an FP8 KV cache (set by the runner; see kernels)
+        # each layer's (k_scale, v_scale) for an FP8 KV cache (set by the runner; see
+        # chatgate_kernels)
         self.kv_scales = [(1.0, 1.0)] * len(self.layers)
 
     def _decoder_stack(self):  # noqa: ANN202 - the compiled DecoderStack or None
