@@ -393,7 +393,12 @@ def matmul_rate(device: torch.device) -> float:
 def workload_floor(llm: LLM, et: dict, rate: float, copy_bw: float) -> dict:
     """The hardware's floor for the steps the engine ran: each step at least its linear-layer
     FLOPs at ``rate`` (lm_head for its sampled rows) and at least its bytes at ``copy_bw``
-    (every weight once, plus the KV of every row's context); summed over steps."""
+    (every weight once, plus the KV of every row's context); summed over steps.
+
+    ``serial_s`` is the floor of the same steps run as their layers' dependencies allow: a
+    layer's attention reads its q/k/v GEMM's output and feeds its o GEMM, so within one batch
+    the GEMMs (at the larger of their FLOPs and weight bytes) and the KV reads (at their bytes)
+    follow each other instead of overlapping."""
     model = llm.engine.runner.model
     itemsize = model.embed.element_size()
     layer_params = layer_weight_bytes(model) // itemsize
@@ -401,13 +406,15 @@ def workload_floor(llm: LLM, et: dict, rate: float, copy_bw: float) -> dict:
     weight_bytes = (layer_params + head_params) * itemsize
     kv_token_bytes = (2 * len(model.layers) * model.num_kv_heads * model.head_dim
                       * llm.engine.runner.kv_cache.element_size())
-    total = 0.0
+    total = serial = 0.0
     for (tokens, ctx), rows in zip(et["step_work"], et["step_rows"], strict=True):
         flop_s = 2 * (layer_params * tokens + head_params * rows) / rate
-        byte_s = (weight_bytes + kv_token_bytes * ctx) / copy_bw
-        total += max(flop_s, byte_s)
+        weight_s, kv_s = weight_bytes / copy_bw, kv_token_bytes * ctx / copy_bw
+        total += max(flop_s, weight_s + kv_s)
+        serial += max(flop_s, weight_s) + kv_s
     return {"floor_s": total, "output_tokens_per_s": et["output_tokens"] / total,
-            "fraction": total / et["seconds"], "matmul_flops": rate}
+            "fraction": total / et["seconds"], "matmul_flops": rate,
+            "serial_s": serial, "serial_fraction": serial / et["seconds"]}
 
 
 def runner_max(llm: LLM) -> int:
@@ -439,9 +446,12 @@ def layer_weight_bytes(model) -> int:
 
 
 def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
-                         device: torch.device) -> dict:
+                         device: torch.device, matmul_flops: float | None = None) -> dict:
     """Replay the captured decode graph of ``batch`` rows, each over ``ctx`` cached tokens in
-    distinct blocks, and compare with (weight bytes + KV bytes) / copy bandwidth."""
+    distinct blocks, and compare with (weight bytes + KV bytes) / copy bandwidth. Given the
+    matmul rate, also with the step's FLOP floor (``flop_s``: its linear layers and lm_head)
+    and its serial floor (``serial_s``: the GEMMs at the larger of their FLOPs and weight bytes,
+    then the KV reads, as :func:`workload_floor` defines it)."""
     runner = llm.engine.runner
     model = runner.model
     bs = runner.block_size
@@ -466,8 +476,14 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
         torch.cuda.synchronize()
         measured = cuda_median_s(runner.graphs[batch][0].replay, reps=30)
     roofline = (weight_bytes + kv_bytes) / copy_bw
-    return {"batch": batch, "ctx": ctx, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
-            "step_s": measured, "roofline_s": roofline, "fraction": roofline / measured}
+    result = {"batch": batch, "ctx": ctx, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+              "step_s": measured, "roofline_s": roofline, "fraction": roofline / measured}
+    if matmul_flops:
+        params = layer_weight_bytes(model) // model.embed.element_size() + model.lm_head.numel()
+        flop_s = 2 * params * batch / matmul_flops
+        result.update(flop_s=flop_s,
+                      serial_s=max(flop_s, (weight_bytes / copy_bw)) + kv_bytes / copy_bw)
+    return result
 
 
 def profile_steps(llm: LLM, batch: int, ctx: int, copy_bw: float, prefill_tokens: int,
@@ -719,15 +735,16 @@ def measure_decode_steps(args: argparse.Namespace, llm: LLM, et: dict, copy_bw: 
     result["decode_step"] = []
     if device.type != "cuda":
         return
+    rate = result["floor"]["matmul_flops"] if "floor" in result else matmul_rate(device)
     for ctx in args.decode_ctx:
-        r = decode_step_roofline(llm, args.decode_batch, ctx, copy_bw, device)
+        r = decode_step_roofline(llm, args.decode_batch, ctx, copy_bw, device, rate)
         result["decode_step"].append(r)
         log(f"decode step batch {args.decode_batch} ctx {ctx}: {r}")
     if et["full_decode_step_median_ctx"]:
         rows = padded_batch_size(et["full_decode_step_median_rows"],
                                  llm.engine.runner.graph_sizes)
         r = decode_step_roofline(llm, rows, et["full_decode_step_median_ctx"], copy_bw,
-                                 device)
+                                 device, rate)
         result["full_step_graph"] = r
         log(f"graph replay of the full steps' median context: {r}")
     if args.decode_batch in llm.engine.runner.graphs:
@@ -831,6 +848,9 @@ def print_summary(args: argparse.Namespace, result: dict, corr: dict, copy_bw: f
         print(f"{'floor of the same steps':28}{fl['output_tokens_per_s']:>10.0f}"
               f"{fl['floor_s']:>10.1f}  (matmul {fl['matmul_flops'] / 1e12:.0f} TFLOP/s, copy "
               f"{copy_bw / 1e9:.0f} GB/s) -> engine at {fl['fraction']:.0%} of it")
+        print(f"{'serial floor of the same steps':28}"
+              f"{et['output_tokens'] / fl['serial_s']:>10.0f}{fl['serial_s']:>10.1f}  (GEMMs, "
+              f"then attention's KV reads) -> engine at {fl['serial_fraction']:.0%} of it")
     hft = result.get("hf_throughput")
     if hft:
         print(f"{'transformers (b=' + str(hft['batch_size']) + ')':28}"
@@ -850,7 +870,12 @@ def print_steps(args: argparse.Namespace, result: dict) -> None:
         gb = (r["weight_bytes"] + r["kv_bytes"]) / 1e9
         print(f"decode step batch {r['batch']} ctx {r['ctx']}: {r['step_s'] * 1e3:.2f} ms, "
               f"roofline {r['roofline_s'] * 1e3:.2f} ms ({gb:.1f} GB) -> {r['fraction']:.0%} "
-              f"of roofline (target >= 70%)")
+              f"of roofline")
+        if "serial_s" in r:
+            floor = max(r["flop_s"], r["roofline_s"])
+            print(f"  FLOP floor {r['flop_s'] * 1e3:.2f} ms: step / max(FLOPs, bytes) "
+                  f"{r['step_s'] / floor:.2f}x (target <= 1.15x); serial floor "
+                  f"{r['serial_s'] * 1e3:.2f} ms: step / serial {r['step_s'] / r['serial_s']:.2f}x")
     print(f"engine time in CUDA-graph decode steps {et['graph_steps_seconds']:.1f}s "
           f"({et['graph_steps']} steps), in eager (prefill/mixed) steps "
           f"{et['eager_steps_seconds']:.1f}s ({et['eager_steps']} steps)")
@@ -878,6 +903,9 @@ def print_steps(args: argparse.Namespace, result: dict) -> None:
                   f"{graph['ctx']}): {graph['step_s'] * 1e3:.2f} ms -> host-visible "
                   f"{(step - graph['step_s']) * 1e3:.2f} ms, step / graph "
                   f"{step / graph['step_s']:.3f}")
+            if "serial_s" in graph:
+                print(f"  that step's serial floor {graph['serial_s'] * 1e3:.2f} ms: graph replays"
+                      f" in the run {(in_situ or step) / graph['serial_s']:.2f}x of it")
 
 
 def hf_baseline(hf, requests, args, device: torch.device, et: dict) -> dict:

@@ -170,22 +170,28 @@ def fp8_write_case(fused: bool) -> float:
     return max(differ)
 
 
-def graph_case(num_seqs: int, replays: int) -> float:
+def graph_case(num_seqs: int, replays: int, ordered: bool = False) -> float:
     """Capture decode once, replay with new queries and new (longer) lengths: worst error.
     Few sequences give split-K decode, whose merge counters must be back at zero after
-    every replay."""
+    every replay. ``ordered``: the rows' longest-first order is sorted inside the graph, as
+    the engine's decode graphs do, so each replay starts the programs in its own order."""
     batch = Paged([(1, 6000)] * num_seqs, torch.bfloat16, 128, 16, 8, 4)
     out = torch.full_like(batch.query, float("nan"))
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
             batch.seq_lens, batch.query_start_loc, batch.scale, 1, 6000)
+
+    def decode() -> None:
+        order = triton_attention.longest_first(batch.seq_lens) if ordered else None
+        triton_attention.paged_attention(*args, out=out, row_order=order)
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        triton_attention.paged_attention(*args, out=out)
+        decode()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        triton_attention.paged_attention(*args, out=out)
+        decode()
     worst = 0.0
     for _ in range(replays):
         batch.query.copy_(torch.randn_like(batch.query))
@@ -195,6 +201,21 @@ def graph_case(num_seqs: int, replays: int) -> float:
         torch.cuda.synchronize()
         worst = max(worst, rel_err(out, batch.reference()))
     return worst
+
+
+def row_order_case(num_seqs: int) -> float:
+    """Decode rows of mixed lengths started longest first against the same launch in order:
+    the fraction of output elements that differ (0 expected: the order only schedules)."""
+    lens = torch.randint(1, 3000, (num_seqs,)).tolist()
+    batch = Paged([(1, n) for n in lens], torch.bfloat16, 128, 16, 8, 4)
+    outs = []
+    for order in (None, triton_attention.longest_first(batch.seq_lens)):
+        out = torch.full_like(batch.query, float("nan"))
+        triton_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                         *batch.tail(), out=out, row_order=order)
+        outs.append(out)
+    torch.cuda.synchronize()
+    return mismatch(outs[1], outs[0])
 
 
 def dispatch_case() -> float:
@@ -406,6 +427,12 @@ def main() -> int:
            BOUND[torch.bfloat16])
     record("bf16 d128 bs16 kv8 g4", "graph replay split-K", lambda: graph_case(4, 20),
            BOUND[torch.bfloat16])
+    record("bf16 d128 bs16 kv8 g4", "graph replay, longest first",
+           lambda: graph_case(64, 3, ordered=True), BOUND[torch.bfloat16])
+    record("bf16 d128 bs16 kv8 g4", "graph split-K, longest first",
+           lambda: graph_case(4, 20, ordered=True), BOUND[torch.bfloat16])
+    record("bf16 d128 bs16 kv8 g4", "longest first = in order", lambda: row_order_case(256),
+           0.0)
     record("bf16 d64 bs16 kv2 g4", "kernels dispatch", dispatch_case, BOUND[torch.bfloat16])
     record("fp32 256 x 128256", "sampling noise", noise_case, 4 * torch.finfo().eps)
     record("bf16 logits, 49152 tokens", "draw graph", lambda: draw_graph_case("none"), 0.0)

@@ -15,6 +15,10 @@ Layout shared by every implementation:
   batch. Query ``j`` of sequence ``i`` sits at position ``seq_lens[i] - q_len_i + j`` and attends
   to keys ``0..position`` (causal over the new tokens, full over the cached prefix).
 
+``decode_row_order(seq_lens)`` is the order in which the CUDA decode kernel starts a step's
+rows (longest context first; None on CPU): made once per step, passed to every layer's
+``paged_attention``, it changes no result.
+
 Beside attention, the decoder's elementwise steps (RMSNorm with the residual add, rotary with
 the cache write, SiLU·mul) share the same dispatch: one fused Triton launch each on CUDA; on CPU
 the rotary is the C++ kernel (bit-identical to transformers'), the norms and SiLU·mul
@@ -26,6 +30,7 @@ from chatgate_kernels import cpu_native
 from chatgate_kernels.dispatch import (
     add_rms_norm,
     attention_plan,
+    decode_row_order,
     exponential_noise,
     exponential_noise_at,
     paged_attention,
@@ -39,6 +44,7 @@ __all__ = [
     "cpu_native",
     "add_rms_norm",
     "attention_plan",
+    "decode_row_order",
     "exponential_noise",
     "exponential_noise_at",
     "paged_attention",

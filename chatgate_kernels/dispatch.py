@@ -48,16 +48,18 @@ def paged_attention(
     plan: reference.AttentionPlan | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    row_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache, written
     into ``out`` when given (a static buffer, for CUDA graphs) and returned. ``plan``: the
-    step's :func:`attention_plan` (CPU)."""
+    step's :func:`attention_plan` (CPU); ``row_order``: the step's :func:`decode_row_order`."""
     if query.is_cuda:
         from chatgate_kernels import triton_attention
 
         return triton_attention.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
             scale, max_query_len, max_seq_len, out=out, k_scale=k_scale, v_scale=v_scale,
+            row_order=row_order,
         )
     fused = _native_for(key_cache.dtype)
     if fused is not None:
@@ -81,6 +83,17 @@ def attention_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
         return None
     return reference.attention_plan(block_tables, seq_lens, query_start_loc, slot_mapping,
                                     block_size, num_kv_heads)
+
+
+def decode_row_order(seq_lens: torch.Tensor) -> torch.Tensor | None:
+    """The order in which the decode kernel starts a step's rows, shared by all its layers:
+    longest context first on CUDA (a batch of mixed lengths then ends together instead of
+    waiting for a long row started last); None on CPU, whose kernels take rows in order."""
+    if seq_lens.is_cuda:
+        from chatgate_kernels import triton_attention
+
+        return triton_attention.longest_first(seq_lens)
+    return None
 
 
 def _fused_or_reference(t: torch.Tensor):

@@ -8,7 +8,9 @@ Two kernels share one entry point, with no host synchronisation:
   group padded to 16 rows for ``tl.dot``). Each split writes a normalised partial output and
   its log-sum-exp; a reduce kernel merges them. With one split the kernel writes the output
   directly. The grid depends only on ``num_seqs`` and the split count, and the split count only
-  on host ints, so the decode path is CUDA-graph capturable.
+  on host ints, so the decode path is CUDA-graph capturable. Programs start in the order of
+  ``row_order`` when given (every KV head of a row, then the next row): longest rows first,
+  no long row is left running alone once the short ones have ended.
 - extend rows (``q_len > 1``): flash attention with online softmax that walks the KV through
   the block table; key tiles wholly before the first query of a tile skip the causal mask.
 
@@ -140,7 +142,7 @@ def _decode_tile(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    out_ptr, mid_o_ptr, mid_lse_ptr,
+    out_ptr, mid_o_ptr, mid_lse_ptr, row_order_ptr,
     qk_scale, v_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch,
@@ -150,10 +152,14 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     DOT_FP16: tl.constexpr, FULL_TILES: tl.constexpr, PAGE_ROWS: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     """One (sequence, KV head, split): all query heads of the KV head over one token range."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    if ORDERED:
+        seq = tl.load(row_order_ptr + tl.program_id(1)).to(tl.int32)
+    else:
+        seq = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
     if tl.load(qsl_ptr + seq + 1) - q_start != 1:
@@ -353,12 +359,15 @@ def paged_attention(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    row_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache.
 
     ``max_query_len == 1`` means a pure decode batch (one launch, two with splits); otherwise
     the extend kernel runs too and each kernel skips the other's rows. ``out`` (optional) must
-    have ``query``'s shape and dtype; ``num_splits`` overrides the decode split heuristic.
+    have ``query``'s shape and dtype; ``num_splits`` overrides the decode split heuristic;
+    ``row_order`` (a permutation of the sequences, e.g. :func:`longest_first`) is the order in
+    which the decode programs start, and changes no result.
     Every tensor needs a contiguous last dimension; ``key_cache``/``value_cache`` share strides.
     """
     out = torch.empty_like(query) if out is None else out
@@ -367,7 +376,8 @@ def paged_attention(
     call = _Call.of(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
                     scale, k_scale, v_scale)
     _decode(call, num_splits or num_decode_splits(call.num_seqs, call.num_kv_heads,
-                                                  max_seq_len, query.device), max_seq_len)
+                                                  max_seq_len, query.device), max_seq_len,
+            row_order)
     if max_query_len > 1:
         _extend(call, max_query_len)
     return out
@@ -429,7 +439,14 @@ class _Call:
         )
 
 
-def _decode(call: _Call, splits: int, max_seq_len: int) -> None:
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """The sequences by descending ``seq_lens``: the decode order that keeps the last programs
+    short. One small sort, no host synchronisation (CUDA-graph capturable)."""
+    return torch.argsort(seq_lens, descending=True)
+
+
+def _decode(call: _Call, splits: int, max_seq_len: int,
+            row_order: torch.Tensor | None) -> None:
     """The decode rows: split-K over ``splits`` token ranges, merged when there are several."""
     cfg = DECODE_CONFIG[call.bits]
     block_n = max(cfg["BLOCK_N"], call.block_size)
@@ -447,12 +464,14 @@ def _decode(call: _Call, splits: int, max_seq_len: int) -> None:
         mid_lse = torch.empty(call.num_seqs, call.num_heads, splits, dtype=torch.float32,
                               device=out.device)
         mid_strides = (call.num_heads * splits, splits, 1)  # in rows of head_dim / lse entries
-    _decode_kernel[(call.num_seqs, call.num_kv_heads, splits)](
-        *call.tensors, out, mid_o, mid_lse, call.qk_scale, call.v_scale, splits,
+    _decode_kernel[(call.num_kv_heads, call.num_seqs, splits)](
+        *call.tensors, out, mid_o, mid_lse, out if row_order is None else row_order,
+        call.qk_scale, call.v_scale, splits,
         *call.strides, *mid_strides,
         GROUP_PAD=max(16, triton.next_power_of_2(call.constexprs["GROUP"])), BLOCK_N=block_n,
         DIRECT=splits == 1, num_warps=cfg["num_warps"], num_stages=stages,
-        FULL_TILES=bool(cfg.get("FULL_TILES", 0)), PAGE_ROWS=bool(page_rows), **call.constexprs,
+        FULL_TILES=bool(cfg.get("FULL_TILES", 0)), PAGE_ROWS=bool(page_rows),
+        ORDERED=row_order is not None, **call.constexprs,
     )
     if splits > 1:
         _reduce_kernel[(call.num_seqs, call.num_heads)](

@@ -46,6 +46,9 @@ class AttentionMetadata:
     # CPU only: the step's index work for every layer's attention
     # (``chatgate_kernels.attention_plan``)
     plan: chatgate_kernels.reference.AttentionPlan | None = None
+    # CUDA only: the order the decode kernel starts the rows in, longest context first
+    # (``chatgate_kernels.decode_row_order``)
+    row_order: torch.Tensor | None = None
 
 
 Weight = torch.Tensor | QuantizedLinear
@@ -232,11 +235,12 @@ class LlamaModel:
             v = v.view(n, self.num_kv_heads, self.head_dim)
             key_cache, value_cache = kv_cache[0, index], kv_cache[1, index]
             chatgate_kernels.rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache,
-                                     meta.slot_mapping, k_scale, v_scale, meta.plan)
+                                              meta.slot_mapping, k_scale, v_scale, meta.plan)
             o = chatgate_kernels.paged_attention(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
                 out=meta.attn_out, plan=meta.plan, k_scale=k_scale, v_scale=v_scale,
+                row_order=meta.row_order,
             )
             x = self._add_norm(self._reduced(_linear(o.reshape(n, -1), layer.o)), h,
                                layer.post_norm, final=False)

@@ -345,6 +345,7 @@ class ModelRunner:
             plan=chatgate_kernels.attention_plan(block_tables, seq_lens, query_start_loc,
                                                  slot_mapping, self.block_size,
                                                  self.model.num_kv_heads, self.cache_dtype),
+            row_order=chatgate_kernels.decode_row_order(seq_lens),
         )
         input_ids = self._to_device(host["input_ids"])
         if feed is not None:
@@ -438,6 +439,7 @@ class ModelRunner:
             max_query_len=1,
             max_seq_len=self.max_model_len,
             attn_out=self._attn_out[:size],
+            row_order=chatgate_kernels.decode_row_order(g["seq_lens"][:size]),
         )
         hidden = self.model.forward(g["input_ids"][:size], g["positions"][:size], meta,
                                     self.kv_cache)
