@@ -8,9 +8,9 @@ Two kernels share one entry point, with no host synchronisation:
   group padded to 16 rows for ``tl.dot``). Each split writes a normalised partial output and
   its log-sum-exp; a reduce kernel merges them. With one split the kernel writes the output
   directly. The grid depends only on ``num_seqs`` and the split count, and the split count only
-  on host ints, so the decode path is CUDA-graph capturable. Programs start in the order of
-  ``row_order`` when given (every KV head of a row, then the next row): longest rows first,
-  no long row is left running alone once the short ones have ended.
+  on host ints, so the decode path is CUDA-graph capturable. Programs start row by row (the KV
+  heads of a row together), the rows in the order of ``row_order`` when given: longest rows
+  first, so no long row is left running alone once the short ones have ended.
 - extend rows (``q_len > 1``): flash attention with online softmax that walks the KV through
   the block table; key tiles wholly before the first query of a tile skip the causal mask.
 
