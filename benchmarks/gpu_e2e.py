@@ -482,7 +482,7 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
         params = layer_weight_bytes(model) // model.embed.element_size() + model.lm_head.numel()
         flop_s = 2 * params * batch / matmul_flops
         result.update(flop_s=flop_s,
-                      serial_s=max(flop_s, (weight_bytes / copy_bw)) + kv_bytes / copy_bw)
+                      serial_s=max(flop_s, weight_bytes / copy_bw) + kv_bytes / copy_bw)
     return result
 
 
@@ -848,7 +848,7 @@ def print_summary(args: argparse.Namespace, result: dict, corr: dict, copy_bw: f
         print(f"{'floor of the same steps':28}{fl['output_tokens_per_s']:>10.0f}"
               f"{fl['floor_s']:>10.1f}  (matmul {fl['matmul_flops'] / 1e12:.0f} TFLOP/s, copy "
               f"{copy_bw / 1e9:.0f} GB/s) -> engine at {fl['fraction']:.0%} of it")
-        print(f"{'serial floor of the same steps':28}"
+        print(f"{'serial floor, same steps':28}"
               f"{et['output_tokens'] / fl['serial_s']:>10.0f}{fl['serial_s']:>10.1f}  (GEMMs, "
               f"then attention's KV reads) -> engine at {fl['serial_fraction']:.0%} of it")
     hft = result.get("hf_throughput")
