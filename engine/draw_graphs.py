@@ -71,8 +71,8 @@ class DrawGraphs:
                 self._bitmask, self._signal = masks.device, masks.signal
             if masks.signal is not None:
                 bits = masks.ended_bits
-            else:
-                masks.wait_on_device()  # (the host waits)
+            else:  # no signal to hold a wait for: the host waits for the masks
+                masks.result()
         key = (size, masks is not None, not sampled, bits)
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
