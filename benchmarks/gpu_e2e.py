@@ -66,6 +66,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.loader import LoadedModel, build_hf_model, dummy_config, load_model  # noqa: E402
 from engine.model import AttentionMetadata  # noqa: E402
 from engine.model_runner import padded_batch_size  # noqa: E402
+from engine.quantization import Fp8Linear  # noqa: E402
 
 T0 = time.perf_counter()
 EMBED_SCALE = 16.0
@@ -377,22 +378,42 @@ def engine_throughput(llm: LLM, requests, device: torch.device) -> dict:
     }
 
 
-def matmul_rate(device: torch.device) -> float:
-    """FLOP/s of a bf16 GEMM of the decoder's gate/up shape at 4096 rows, sustained: timed
-    after 2 s of the same GEMMs, so the clocks are where the power cap holds them under load."""
+def matmul_rate(device: torch.device, fp8: bool = False) -> float:
+    """FLOP/s of a bf16 GEMM of the decoder's gate/up shape at 4096 rows (with ``fp8``: the
+    FP8 product ``--quantization fp8`` runs, per-row scales), sustained: timed after 2 s of the
+    same GEMMs, so the clocks are where the power cap holds them under load."""
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
-    b = torch.randn(4096, 28672, device=device, dtype=torch.bfloat16)
+    b = torch.randn(28672, 4096, device=device, dtype=torch.bfloat16)
+    if fp8:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        sa = torch.ones(4096, 1, device=device)
+        sb = torch.ones(1, 28672, device=device)
+
+        def product() -> torch.Tensor:
+            return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    else:
+        def product() -> torch.Tensor:
+            return a @ b.t()
     start = time.perf_counter()
     while time.perf_counter() - start < 2.0:
-        a @ b
+        product()
         torch.cuda.synchronize()
-    seconds = cuda_median_s(lambda: a @ b, reps=50)
+    seconds = cuda_median_s(product, reps=50)
     return 2 * 4096 * 4096 * 28672 / seconds
 
 
-def workload_floor(llm: LLM, et: dict, rate: float, copy_bw: float) -> dict:
+def matmul_rates(llm: LLM, device: torch.device) -> tuple[float, float]:
+    """(rate of the decoder layers' products, rate of lm_head's): the FP8 rate for the layers
+    of an FP8 model, whose output layer stays bfloat16."""
+    bf16 = matmul_rate(device)
+    fp8 = llm.engine.config.quantization == "fp8"
+    return (matmul_rate(device, fp8=True) if fp8 else bf16), bf16
+
+
+def workload_floor(llm: LLM, et: dict, rates: tuple[float, float], copy_bw: float) -> dict:
     """The hardware's floor for the steps the engine ran: each step at least its linear-layer
-    FLOPs at ``rate`` (lm_head for its sampled rows) and at least its bytes at ``copy_bw``
+    FLOPs at ``rates`` (:func:`matmul_rates`; lm_head for its sampled rows) and at least its
+    bytes at ``copy_bw``
     (every weight once, plus the KV of every row's context); summed over steps.
 
     ``serial_s`` is the floor of the same steps run as their layers' dependencies allow: a
@@ -400,20 +421,19 @@ def workload_floor(llm: LLM, et: dict, rate: float, copy_bw: float) -> dict:
     the GEMMs (at the larger of their FLOPs and weight bytes) and the KV reads (at their bytes)
     follow each other instead of overlapping."""
     model = llm.engine.runner.model
-    itemsize = model.embed.element_size()
-    layer_params = layer_weight_bytes(model) // itemsize
-    head_params = model.lm_head.numel()
-    weight_bytes = (layer_params + head_params) * itemsize
+    params, head_params = layer_params(model), model.lm_head.numel()
+    weight_bytes = layer_weight_bytes(model) + head_params * model.lm_head.element_size()
+    rate, head_rate = rates
     kv_token_bytes = (2 * len(model.layers) * model.num_kv_heads * model.head_dim
                       * llm.engine.runner.kv_cache.element_size())
     total = serial = 0.0
     for (tokens, ctx), rows in zip(et["step_work"], et["step_rows"], strict=True):
-        flop_s = 2 * (layer_params * tokens + head_params * rows) / rate
+        flop_s = 2 * (params * tokens / rate + head_params * rows / head_rate)
         weight_s, kv_s = weight_bytes / copy_bw, kv_token_bytes * ctx / copy_bw
         total += max(flop_s, weight_s + kv_s)
         serial += max(flop_s, weight_s) + kv_s
     return {"floor_s": total, "output_tokens_per_s": et["output_tokens"] / total,
-            "fraction": total / et["seconds"], "matmul_flops": rate,
+            "fraction": total / et["seconds"], "matmul_flops": rate, "head_flops": head_rate,
             "serial_s": serial, "serial_fraction": serial / et["seconds"]}
 
 
@@ -434,24 +454,42 @@ def cuda_median_s(fn, reps: int) -> float:
     return float(np.median(times))
 
 
-def layer_weight_bytes(model) -> int:
-    """Bytes of every decoder layer's tensors; fused q/k/v and gate/up are views, so each
-    storage is counted once."""
+def _layer_storages(model) -> dict[int, tuple[int, int]]:
+    """Every decoder layer's storages once (fused q/k/v and gate/up are views), an FP8
+    product's codes, scales and bias included: data pointer -> (bytes, weights; a scale is
+    not a weight)."""
     storages = {}
     for layer in model.layers:
-        for t in vars(layer).values():
-            if isinstance(t, torch.Tensor):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
+        for value in vars(layer).values():
+            tensors = [(value, True)] if isinstance(value, torch.Tensor) else []
+            if isinstance(value, Fp8Linear):
+                tensors = [(value.weight, True), (value.scales, False)]
+                tensors += [(value.bias, True)] if value.bias is not None else []
+            for t, weights in tensors:
+                storage = t.untyped_storage()
+                count = storage.nbytes() // t.element_size() if weights else 0
+                storages[storage.data_ptr()] = (storage.nbytes(), count)
+    return storages
+
+
+def layer_weight_bytes(model) -> int:
+    """Bytes of every decoder layer's tensors."""
+    return sum(nbytes for nbytes, _ in _layer_storages(model).values())
+
+
+def layer_params(model) -> int:
+    """Weights of every decoder layer (norms included)."""
+    return sum(count for _, count in _layer_storages(model).values())
 
 
 def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
-                         device: torch.device, matmul_flops: float | None = None) -> dict:
+                         device: torch.device,
+                         rates: tuple[float, float] | None = None) -> dict:
     """Replay the captured decode graph of ``batch`` rows, each over ``ctx`` cached tokens in
     distinct blocks, and compare with (weight bytes + KV bytes) / copy bandwidth. Given the
-    matmul rate, also with the step's FLOP floor (``flop_s``: its linear layers and lm_head)
-    and its serial floor (``serial_s``: the GEMMs at the larger of their FLOPs and weight bytes,
-    then the KV reads, as :func:`workload_floor` defines it)."""
+    matmul rates (:func:`matmul_rates`), also with the step's FLOP floor (``flop_s``: its
+    linear layers and lm_head) and its serial floor (``serial_s``: the GEMMs at the larger of
+    their FLOPs and weight bytes, then the KV reads, as :func:`workload_floor` defines it)."""
     runner = llm.engine.runner
     model = runner.model
     bs = runner.block_size
@@ -478,9 +516,8 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
     roofline = (weight_bytes + kv_bytes) / copy_bw
     result = {"batch": batch, "ctx": ctx, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
               "step_s": measured, "roofline_s": roofline, "fraction": roofline / measured}
-    if matmul_flops:
-        params = layer_weight_bytes(model) // model.embed.element_size() + model.lm_head.numel()
-        flop_s = 2 * params * batch / matmul_flops
+    if rates:
+        flop_s = 2 * batch * (layer_params(model) / rates[0] + model.lm_head.numel() / rates[1])
         result.update(flop_s=flop_s,
                       serial_s=max(flop_s, weight_bytes / copy_bw) + kv_bytes / copy_bw)
     return result
@@ -520,7 +557,7 @@ def profile_steps(llm: LLM, batch: int, ctx: int, copy_bw: float, prefill_tokens
         ids = torch.randint(0, model.embed.shape[0], (seqs * per,), device=device)
         prefill_s = cuda_median_s(lambda: model.forward(ids, positions, meta, runner.kv_cache),
                                   reps=5)
-    params = layer_weight_bytes(model) // model.embed.element_size()  # norms included
+    params = layer_params(model)  # norms included
     attn_flops = 4 * len(model.layers) * model.num_heads * model.head_dim * seqs * per * per / 2
     flops = 2 * params * seqs * per + attn_flops
     return {"ctx": ctx, "graph_s": graph.get("step_s"),
@@ -610,6 +647,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="FP8 products in the decoder layers (the floor counts their FLOPs at "
+                         "the FP8 rate measured in the same run)")
     ap.add_argument("--correct-prompts", type=int, default=8)
     ap.add_argument("--correct-tokens", type=int, default=32)
     ap.add_argument("--decode-batch", type=int, default=256)
@@ -673,7 +713,7 @@ def start_engine(args: argparse.Namespace, loaded: LoadedModel, result: dict) ->
               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=False, enforce_eager=args.enforce_eager, seed=args.seed,
-              loaded=loaded)  # the engine shares these weights
+              quantization=args.quantization, loaded=loaded)  # shares these weights
     runner = llm.engine.runner
     kv_gib = runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30
     result["engine"] = {"init_s": time.perf_counter() - start, "num_kv_blocks": runner.num_blocks,
@@ -717,7 +757,7 @@ def measure_throughput(args: argparse.Namespace, llm: LLM, requests: list, copy_
         f"{et['warmup_seconds']:.1f}s; overlapped scheduling "
         f"{'on' if llm.engine.async_scheduling else 'off'})")
     if device.type == "cuda":
-        result["floor"] = workload_floor(llm, et, matmul_rate(device), copy_bw)
+        result["floor"] = workload_floor(llm, et, matmul_rates(llm, device), copy_bw)
         log(f"floor of these steps: {result['floor']}")
     if args.sync_baseline:
         llm.engine.async_scheduling = not llm.engine.async_scheduling
@@ -735,16 +775,17 @@ def measure_decode_steps(args: argparse.Namespace, llm: LLM, et: dict, copy_bw: 
     result["decode_step"] = []
     if device.type != "cuda":
         return
-    rate = result["floor"]["matmul_flops"] if "floor" in result else matmul_rate(device)
+    rates = ((result["floor"]["matmul_flops"], result["floor"]["head_flops"])
+             if "floor" in result else matmul_rates(llm, device))
     for ctx in args.decode_ctx:
-        r = decode_step_roofline(llm, args.decode_batch, ctx, copy_bw, device, rate)
+        r = decode_step_roofline(llm, args.decode_batch, ctx, copy_bw, device, rates)
         result["decode_step"].append(r)
         log(f"decode step batch {args.decode_batch} ctx {ctx}: {r}")
     if et["full_decode_step_median_ctx"]:
         rows = padded_batch_size(et["full_decode_step_median_rows"],
                                  llm.engine.runner.graph_sizes)
         r = decode_step_roofline(llm, rows, et["full_decode_step_median_ctx"], copy_bw,
-                                 device, rate)
+                                 device, rates)
         result["full_step_graph"] = r
         log(f"graph replay of the full steps' median context: {r}")
     if args.decode_batch in llm.engine.runner.graphs:
@@ -846,7 +887,8 @@ def print_summary(args: argparse.Namespace, result: dict, corr: dict, copy_bw: f
     if "floor" in result:
         fl = result["floor"]
         print(f"{'floor of the same steps':28}{fl['output_tokens_per_s']:>10.0f}"
-              f"{fl['floor_s']:>10.1f}  (matmul {fl['matmul_flops'] / 1e12:.0f} TFLOP/s, copy "
+              f"{fl['floor_s']:>10.1f}  (matmul {fl['matmul_flops'] / 1e12:.0f} TFLOP/s"
+              f"{' FP8' if args.quantization == 'fp8' else ''}, copy "
               f"{copy_bw / 1e9:.0f} GB/s) -> engine at {fl['fraction']:.0%} of it")
         print(f"{'serial floor, same steps':28}"
               f"{et['output_tokens'] / fl['serial_s']:>10.0f}{fl['serial_s']:>10.1f}  (GEMMs, "

@@ -34,6 +34,7 @@ from chatgate_kernels import (  # noqa: E402
     triton_fused,
     triton_sampling,
 )
+from engine.quantization import Fp8Linear  # noqa: E402
 
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -168,6 +169,29 @@ def fp8_write_case(fused: bool) -> float:
     differ = [(a.view(torch.uint8) != b.view(torch.uint8)).float().mean().item()
               for a, b in ((caches[2], caches[0]), (caches[3], caches[1]))]
     return max(differ)
+
+
+def fp8_per_token_case() -> float:
+    """Fraction of ``fp8_per_token``'s codes and scales that differ from the torch reference's
+    (0 expected), over activations of the decoder's widths, bf16 ties included."""
+    x = torch.randn(300, 14336, device="cuda", dtype=torch.bfloat16)
+    x[::7] *= 1000
+    x[5] = 0
+    codes, scales = triton_fused.fp8_per_token(x)
+    want_codes, want_scales = reference.fp8_per_token(x)
+    differ = (codes.view(torch.uint8) != want_codes.view(torch.uint8)).float().mean().item()
+    return max(differ, (scales != want_scales).float().mean().item())
+
+
+def fp8_product_case() -> float:
+    """Relative error of ``--quantization fp8``'s product (``Fp8Linear``) against the float64
+    product of the operands it quantized: the tensor cores' accumulation and the bf16 output."""
+    weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    layer = Fp8Linear(weight)
+    codes, scales = reference.fp8_per_token(x)
+    want = (codes.double() * scales.double()) @ layer.dequantized().double().t()
+    return rel_err(layer(x), want)
 
 
 def graph_case(num_seqs: int, replays: int, ordered: bool = False) -> float:
@@ -450,6 +474,9 @@ def main() -> int:
     record(fp8, "reshape_and_cache codes", lambda: fp8_write_case(False), 0.0)
     # the reference rotates with separate roundings; fp32 FMA-free fused math matches it
     record(fp8, "rotary+cache codes", lambda: fp8_write_case(True), 0.0)
+    record("fp8 products, bf16 in", "per-token codes", fp8_per_token_case, 0.0)
+    record("fp8 products, bf16 in", "Fp8Linear 256x4096", fp8_product_case,
+           BOUND[torch.bfloat16])
     for dtype in (torch.bfloat16, torch.float32):
         for case, fn in fused_cases(dtype).items():
             exact = FUSED_BOUND[case] == 0.0

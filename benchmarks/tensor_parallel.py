@@ -140,7 +140,7 @@ def run(args, log) -> dict:
             log(f"throughput, {n} ranks: {et['output_tokens_per_s']:.0f} tok/s "
                 f"({et['seconds']:.1f} s, {et['steps']} steps)")
             if device.type == "cuda":
-                raw["floor"] = gpu_e2e.workload_floor(llm, et, gpu_e2e.matmul_rate(device),
+                raw["floor"] = gpu_e2e.workload_floor(llm, et, gpu_e2e.matmul_rates(llm, device),
                                                       gpu_e2e.copy_bandwidth(device))
                 log(f"floor of these steps (one rank's shard): {raw['floor']}")
         release(llm)

@@ -23,7 +23,8 @@ Beside attention, the decoder's elementwise steps (RMSNorm with the residual add
 the cache write, SiLU·mul) share the same dispatch: one fused Triton launch each on CUDA; on CPU
 the rotary is the C++ kernel (bit-identical to transformers'), the norms and SiLU·mul
 transformers' op-by-op torch code (the quantized model calls ``cpu_native``'s fused ones
-itself). So does the sampler's counter-based noise.
+itself). So do the sampler's counter-based noise and ``fp8_per_token``, the per-row FP8
+quantization of an FP8 product's activations (``--quantization fp8``, CUDA).
 """
 
 from chatgate_kernels import cpu_native
@@ -33,6 +34,7 @@ from chatgate_kernels.dispatch import (
     decode_row_order,
     exponential_noise,
     exponential_noise_at,
+    fp8_per_token,
     paged_attention,
     reshape_and_cache,
     rms_norm,
@@ -47,6 +49,7 @@ __all__ = [
     "decode_row_order",
     "exponential_noise",
     "exponential_noise_at",
+    "fp8_per_token",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",

@@ -137,6 +137,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _fused_or_reference(gate_up).silu_and_mul(gate_up)
 
 
+def fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [num_tokens, width]`` as FP8 codes ``[num_tokens, width]`` and float32 scales
+    ``[num_tokens, 1]``, one per row: the activations of an FP8 product."""
+    return _fused_or_reference(x).fp8_per_token(x)
+
+
 def rotary_and_cache(
     query: torch.Tensor,
     key: torch.Tensor,

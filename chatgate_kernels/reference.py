@@ -241,6 +241,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [num_tokens, width]`` as FP8 codes with one float32 scale per row ``[num_tokens,
+    1]``: ``x ≈ codes * scale``, the scale the row's largest magnitude times 1/448 (a product,
+    computed alike on every device; at least 1e-12 / 448, so an all-zero row stays zeros)."""
+    x32 = x.float()
+    scales = x32.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12) * (1.0 / FP8_MAX)
+    return (x32 / scales).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scales
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin``, bit for bit: ``rotate_half(x)`` is
     ``x``'s halves swapped with the new first half negated, and ``-a * s == a * -s`` exactly,

@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from chatgate_kernels.triton_cache import to_cache
+from chatgate_kernels.triton_cache import FP8_MAX, to_cache
+
+INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
 
 
 @triton.jit
@@ -90,6 +92,43 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=block,
         )
     return out
+
+
+@triton.jit
+def _fp8_per_token_kernel(
+    x_ptr, codes_ptr, scale_ptr, stride_x, stride_c, width, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, width, BLOCK):
+        mask = start + cols < width
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * INV_FP8_MAX
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, width, BLOCK):
+        mask = start + cols < width
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
+        # a correctly rounded division (``/`` compiles to an approximate one), as torch's
+        codes = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
+        tl.store(codes_ptr + row * stride_c + start + cols,
+                 codes.to(codes_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [num_tokens, width]`` as FP8 codes and one float32 scale per row (see
+    ``reference.fp8_per_token``), in one launch of a program per row."""
+    _check_rows(x)
+    num_tokens, width = x.shape
+    codes = torch.empty(num_tokens, width, device=x.device, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(num_tokens, 1, device=x.device, dtype=torch.float32)
+    if num_tokens:
+        _fp8_per_token_kernel[(num_tokens,)](
+            x, codes, scales, x.stride(0), codes.stride(0), width,
+            BLOCK=min(2048, triton.next_power_of_2(width)), num_warps=4,
+        )
+    return codes, scales
 
 
 @triton.jit

@@ -75,6 +75,8 @@ class EngineConfig:
     # 0.3 % of float32's on the packaged Q4_1 GGUF) and 5x as fast per stream
     quantization: str | None = _flag(None, "weight-only int8 or int4 linear layers (CPU): a "
                                            "quarter or an eighth of float32's bytes per step; "
+                                           "fp8 (GPUs of compute capability 8.9+): FP8 "
+                                           "weights and per-token FP8 activations; "
                                            "auto (default): int4 on the CPU, none elsewhere; "
                                            "none: float weights",
                                      QUANTIZATION_CHOICES, serve_default="auto")

@@ -6,7 +6,8 @@ rotary tables) so greedy tokens match transformers' token for token. The element
 through ``chatgate_kernels`` (fused Triton launches on CUDA that round where transformers
 rounds; on CPU the fused C++ rotary, bit-identical, and transformers' op-by-op torch code for
 the rest).
-Quantized on the CPU, the norms and SiLU·mul are the fused CPU kernels' (``fused_cpu``).
+Quantized on the CPU, the norms and SiLU·mul are the fused CPU kernels' (``fused_cpu``); FP8 on
+the GPU changes only the four products of each layer (``engine/quantization.py``).
 """
 
 import logging
@@ -19,6 +20,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import chatgate_kernels
 from engine.quantization import (
+    CPU_QUANTIZATIONS,
     Int8Linear,
     QuantizedLinear,
     check_quantization,
@@ -125,12 +127,13 @@ class LlamaModel:
         if quantization is not None:
             for layer in self.layers:
                 self._quantize(layer, quantization)
+        on_cpu = quantization in CPU_QUANTIZATIONS
+        if on_cpu:
             self.lm_head = Int8Linear(self.lm_head)  # see engine/quantization.py
         # quantized on the CPU: the fused CPU kernels' norm and SiLU·mul write the bfloat16
         # activations the quantized products read; None where the elementwise steps are
         # transformers' own op-by-op code (their rounding, for the float greedy oracle)
-        self.fused_cpu = (chatgate_kernels.cpu_native.native()
-                          if quantization is not None and tp is None else None)
+        self.fused_cpu = chatgate_kernels.cpu_native.native() if on_cpu and tp is None else None
         rotary = LlamaRotaryEmbedding(config).to(self.device)
         positions = torch.arange(max_positions, device=self.device)[None, :]
         cos, sin = rotary(self.embed[:1], positions)

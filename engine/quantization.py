@@ -1,4 +1,5 @@
-"""Weight-only quantized linear layers for the CPU (``--quantization``, vLLM's flag).
+"""Quantized linear layers (``--quantization``, vLLM's flag): weight-only int8 and int4 for
+the CPU, FP8 products for the GPU.
 
 A CPU decode step is a pass over the weights, so its time is their bytes: float32 reads 4
 bytes per weight, ``int8`` 1, ``int4`` half of one. Activations go through torch's packed
@@ -18,12 +19,22 @@ AVX512-VNNI or AVX2), both modes multiply through them instead: activations quan
 per group of 32 (llama.cpp's Q8_1) against the same weights, in integer dot products, the weight
 rows prefetched ahead. One kernel for every row count keeps a token's logits independent of how
 many rows share its step.
+
+For GPUs with FP8 tensor cores (compute capability 8.9 or later), ``fp8`` is vLLM's dynamic
+FP8 scheme: weights as float8_e4m3fn with one scale per output row, activations quantized per
+row (token) as they arrive (``chatgate_kernels.fp8_per_token``), the product on the FP8 tensor
+cores (``torch._scaled_mm``, float32 accumulation) at twice bfloat16's rate from half its
+weight bytes. The output layer stays in the model's dtype, as in vLLM. The CPU runs the same
+arithmetic through torch's reference FP8 product (slow: there it is for checks, and
+``int8``/``int4`` are the fast modes).
 """
 
 from __future__ import annotations
 
 import torch
 
+import chatgate_kernels
+from chatgate_kernels import reference
 from chatgate_kernels.cpu_native import native
 
 INT4_GROUP = 32  # Q4_1's block size
@@ -147,9 +158,34 @@ class Int4Linear:
         return _biased(y, self.bias, x.dtype)
 
 
-QuantizedLinear = Int8Linear | Int4Linear
-LAYERS: dict[str, type[Int8Linear] | type[Int4Linear]] = {"int8": Int8Linear, "int4": Int4Linear}
+class Fp8Linear:
+    """``F.linear(x, weight, bias)`` as an FP8 product: ``weight`` as float8_e4m3fn rows with
+    one float32 scale each, ``x`` quantized per row at every call; the output in bfloat16
+    before the bias (added in float32), then ``x``'s dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        codes, scales = reference.fp8_per_token(weight.detach())
+        self.weight = codes  # [out, in]; its transpose is the column-major operand
+        self.scales = scales.view(1, -1)  # [1, out]
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        codes, scales = chatgate_kernels.fp8_per_token(x)
+        y = torch._scaled_mm(codes, self.weight.t(), scale_a=scales, scale_b=self.scales,
+                             out_dtype=torch.bfloat16)
+        return _biased(y, self.bias, x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight this layer computes with (for checks)."""
+        return self.weight.to(torch.float32) * self.scales.view(-1, 1)
+
+
+QuantizedLinear = Int8Linear | Int4Linear | Fp8Linear
+LAYERS: dict[str, type[QuantizedLinear]] = {"int8": Int8Linear, "int4": Int4Linear,
+                                            "fp8": Fp8Linear}
 QUANTIZATIONS = tuple(LAYERS)
+CPU_QUANTIZATIONS = ("int8", "int4")
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
 # what ``--quantization`` also takes: "auto" (``chatgate serve``'s default) is int4 on the CPU
 # when the model's widths allow it and unquantized elsewhere; "none" is unquantized
 CHOICES = (*QUANTIZATIONS, "auto", "none")
@@ -178,6 +214,10 @@ def check_quantization(quantization: str | None, device: torch.device) -> None:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, "
                          f"got {quantization!r}")
-    if device.type != "cpu":
+    if quantization in CPU_QUANTIZATIONS and device.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on the CPU only "
-                         f"(the device is {device.type})")
+                         f"(the device is {device.type}); on a GPU use 'fp8'")
+    if quantization == "fp8" and device.type == "cuda" and (
+            torch.cuda.get_device_capability(device) < FP8_CAPABILITY):
+        raise ValueError("quantization 'fp8' needs a GPU of compute capability 8.9 or later "
+                         "(FP8 tensor cores)")

@@ -62,6 +62,26 @@ def test_silu_and_mul(dtype, width) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [48, 3000])
+def test_fp8_per_token_gives_the_references_codes_and_row_scales(
+        dtype, width, assert_fp8_codes_equal) -> None:
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(4, width, generator=gen) * torch.tensor([[1e-4], [1.0], [500.0], [0.0]])
+         ).to(dtype)
+    codes, scales = triton_fused.fp8_per_token(x)
+    want_codes, want_scales = reference.fp8_per_token(x)
+    assert codes.dtype == torch.float8_e4m3fn and scales.shape == (4, 1)
+    torch.testing.assert_close(scales, want_scales, rtol=0, atol=0)
+    # a quotient exactly half-way between two codes (common from bf16 inputs): torch and the
+    # GPU round it to the even code, the interpreter away from zero
+    quotient = x.float() / want_scales
+    tie = (codes.float() + want_codes.float()) / 2 == quotient
+    assert_fp8_codes_equal(torch.where(tie, want_codes.float(), codes.float()), want_codes)
+    assert torch.equal(codes.float().abs().amax(dim=1)[:3], torch.full((3,), 448.0))
+    assert not codes.float()[3].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
                          [(4, 4, 64, 16), (6, 2, 64, 8), (8, 1, 128, 32)])
 def test_rotary_and_cache(dtype, num_heads, num_kv_heads, head_dim, block_size) -> None:

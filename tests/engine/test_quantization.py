@@ -1,6 +1,9 @@
 """Weight-only int8 and int4 on the CPU: each layer computes with its dequantized weight, int4
 recovers the GGUF's own Q4_1 codes, the engine's teacher-forced greedy choice stays float32's,
-and a mode the device cannot run is refused."""
+and a mode the device cannot run is refused. The FP8 product (made for GPUs with FP8 tensor
+cores) computes with its quantized activations and weight; torch runs it on the CPU too, so
+the layer and the engine's greedy choice are checked here as well
+(``benchmarks/gpu_kernels_check.py`` checks the layer on the GPU)."""
 
 import numpy as np
 import pytest
@@ -9,10 +12,12 @@ import torch.nn.functional as F
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from chatgate_kernels import reference
 from engine import LLM, SamplingParams
 from engine.loader.gguf import smollm2_gguf_path
 from engine.quantization import (
     INT4_GROUP,
+    Fp8Linear,
     Int4Linear,
     Int8Linear,
     check_quantization,
@@ -76,7 +81,26 @@ def test_auto_quantization_is_int4_on_the_cpu_when_the_widths_allow_it() -> None
     assert resolve_quantization("int8", cpu, (576,)) == "int8"
 
 
-def test_unknown_or_gpu_quantization_is_refused() -> None:
+def test_fp8_linear_multiplies_per_row_fp8_activations_by_its_fp8_rows() -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64) * 0.05, torch.randn(96)
+    x = torch.randn(5, 64) * torch.tensor([[1e-3], [1.0], [30.0], [1.0], [0.0]])
+    layer = Fp8Linear(weight, bias)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.scales.shape == (1, 96)
+    # each row's largest weight is the largest FP8 value times its scale
+    assert torch.equal(layer.weight.float().abs().amax(dim=1), torch.full((96,), 448.0))
+    # e4m3 keeps 3 mantissa bits: every weight within half a step (1/16 relative) of its code
+    assert torch.all((layer.dequantized() - weight).abs() <= weight.abs() / 16 + 1e-9)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (5, 96)
+    codes, scales = reference.fp8_per_token(x)
+    assert torch.equal(scales[4], torch.tensor([1e-12 / 448.0]))  # an all-zero row stays zeros
+    expected = F.linear(codes.float() * scales, layer.dequantized(), bias)
+    assert torch.allclose(y, expected, rtol=1e-2, atol=1e-2)  # the product rounded to bf16
+    assert torch.allclose(y[4], bias)
+
+
+def test_unknown_or_misplaced_quantization_is_refused() -> None:
     with pytest.raises(ValueError, match="one of"):
         check_quantization("int3", torch.device("cpu"))
     with pytest.raises(ValueError, match="CPU only"):
@@ -100,7 +124,7 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(layer_type) -> Non
         assert torch.equal(layer(x[r:])[0], together[r])
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
 def test_quantized_engine_picks_float32s_greedy_token_at_nearly_every_forced_position(
         quantization: str) -> None:
     quantized = LLM("smollm2", max_model_len=512, num_kv_blocks=256, quantization=quantization)
