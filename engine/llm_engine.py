@@ -55,7 +55,8 @@ class LLMEngine:
         by default the engine loads it."""
         self.config = config
         torch.manual_seed(config.seed)
-        if loaded is None:
+        own_weights = loaded is None
+        if own_weights:
             loaded = load_for_rank(config)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -65,7 +66,7 @@ class LLMEngine:
             check_divisible(loaded.config, config.tensor_parallel_size)
             tp = start_workers(config)
             weakref.finalize(self, tp.shutdown)
-        self.runner = build_runner(config, tp, loaded)
+        self.runner = build_runner(config, tp, loaded, own_weights)
         self.max_model_len = min(self.runner.max_model_len,
                                  self.runner.num_blocks * config.block_size)
         self.vocab_size = self.runner.model.vocab_size

@@ -79,17 +79,23 @@ def load_for_rank(config: EngineConfig, rank: int = 0) -> LoadedModel:
 
 
 def build_runner(config: EngineConfig, tp: TensorParallel | None = None,
-                 loaded: LoadedModel | None = None) -> "ModelRunner":
+                 loaded: LoadedModel | None = None, own_weights: bool = False) -> "ModelRunner":
     """The model (this rank's shard of it under ``tp``) and its runner; loads the model unless
-    ``loaded`` is given (whole, or this rank's shard)."""
+    ``loaded`` is given (whole, or this rank's shard). With ``own_weights`` (always when it
+    loads the model itself) the weights are the runner's alone: ``loaded.state_dict`` is
+    emptied, so the float weights that quantized layers replace are freed before the runner
+    sizes the KV pool from the free device memory."""
     if loaded is None:
-        loaded = load_for_rank(config, tp.rank if tp is not None else 0)
+        loaded, own_weights = load_for_rank(config, tp.rank if tp is not None else 0), True
     max_model_len = model_len(config, loaded)
     weights = loaded.state_dict
+    if own_weights:
+        loaded.state_dict = {}
     if tp is not None and loaded.shard is None:
         weights = Shard(tp.rank, tp.world_size).weights(weights, loaded.config)
     model = LlamaModel(loaded.config, weights, max_model_len, vocab_limit=loaded.vocab_limit,
                        quantization=config.quantization, tp=tp)
+    del weights  # what the model did not keep goes now
     return ModelRunner(model, config, max_model_len, tp)
 
 

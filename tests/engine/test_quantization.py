@@ -5,6 +5,8 @@ cores) computes with its quantized activations and weight; torch runs it on the 
 the layer and the engine's greedy choice are checked here as well
 (``benchmarks/gpu_kernels_check.py`` checks the layer on the GPU)."""
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,9 @@ from gguf.quants import dequantize
 
 from chatgate_kernels import reference
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.loader.gguf import smollm2_gguf_path
+from engine.model_runner import build_runner, load_for_rank
 from engine.quantization import (
     INT4_GROUP,
     Fp8Linear,
@@ -98,6 +102,22 @@ def test_fp8_linear_multiplies_per_row_fp8_activations_by_its_fp8_rows() -> None
     expected = F.linear(codes.float() * scales, layer.dequantized(), bias)
     assert torch.allclose(y, expected, rtol=1e-2, atol=1e-2)  # the product rounded to bf16
     assert torch.allclose(y[4], bias)
+
+
+@pytest.mark.parametrize("own_weights", [True, False])
+def test_a_runner_that_owns_the_weights_frees_the_float_layers_it_quantized(
+        own_weights: bool) -> None:
+    """Before the runner sizes its KV pool from the free memory, the float weights of the
+    quantized layers are gone, unless the caller keeps the loaded model (a benchmark's
+    transformers check shares them)."""
+    config = EngineConfig(model="smollm2", max_model_len=256, num_kv_blocks=16,
+                          quantization="int8")
+    loaded = load_for_rank(config)
+    down = weakref.ref(loaded.state_dict["model.layers.0.mlp.down_proj.weight"])
+    runner = build_runner(config, loaded=loaded, own_weights=own_weights)
+    assert isinstance(runner.model.layers[0].down, Int8Linear)
+    assert (down() is None) == own_weights
+    assert (loaded.state_dict == {}) == own_weights
 
 
 def test_unknown_or_misplaced_quantization_is_refused() -> None:
