@@ -868,12 +868,16 @@ def print_summary(args: argparse.Namespace, result: dict, corr: dict, copy_bw: f
         extra = "".join(f"; p{r['prompt']}@{r['first_divergence']} margin "
                         f"{r['margin_at_divergence']:.3f} gap {r['hf_top2_gap_at_divergence']:.3f}"
                         for r in diverged)
-        print(f"correctness ({name}): {c['num_equal']}/{c['num_prompts']} prompts x "
+        # a quantized run's engine (not its float32 check) computes with FP8 products
+        engine = (f"{name}, {args.quantization} products"
+                  if args.quantization and name == args.dtype else name)
+        print(f"correctness ({engine}): {c['num_equal']}/{c['num_prompts']} prompts x "
               f"{c['num_tokens']} tokens equal{extra}")
         print(f"  transformers {name} as one left-padded batch vs one prompt at a time: "
               f"{c['hf_batched_num_equal']}/{c['num_prompts']} equal")
         for who, a in c.get("fp32_reference", {}).items():
-            print(f"  {who} {name} greedy path vs float32 of the same weights: fp32 argmax at "
+            print(f"  {who} {engine if who == 'engine' else name} greedy path vs float32 of the "
+                  f"same weights: fp32 argmax at "
                   f"{a['fp32_argmax']}/{a['steps']} steps, largest fp32 deficit "
                   f"{a['max_deficit']:.4f}, mean {a['mean_deficit']:.5f}")
     print(f"{'':28}{'tok/s':>10}{'seconds':>10}")

@@ -127,13 +127,14 @@ class LlamaModel:
         if quantization is not None:
             for layer in self.layers:
                 self._quantize(layer, quantization)
-        on_cpu = quantization in CPU_QUANTIZATIONS
-        if on_cpu:
+        cpu_quantized = quantization in CPU_QUANTIZATIONS
+        if cpu_quantized:
             self.lm_head = Int8Linear(self.lm_head)  # see engine/quantization.py
         # quantized on the CPU: the fused CPU kernels' norm and SiLU·mul write the bfloat16
         # activations the quantized products read; None where the elementwise steps are
         # transformers' own op-by-op code (their rounding, for the float greedy oracle)
-        self.fused_cpu = chatgate_kernels.cpu_native.native() if on_cpu and tp is None else None
+        self.fused_cpu = (chatgate_kernels.cpu_native.native() if cpu_quantized and tp is None
+                          else None)
         rotary = LlamaRotaryEmbedding(config).to(self.device)
         positions = torch.arange(max_positions, device=self.device)[None, :]
         cos, sin = rotary(self.embed[:1], positions)
