@@ -178,3 +178,29 @@ def test_tensor_parallel_quick(tmp_path, tiny_model, capsys):
     raw = json.loads((tmp_path / "tensor_parallel_quick.json").read_text())
     assert raw["correctness"] == {"equal": 2, "prompts": 2}
     assert raw["throughput"]["output_tokens"] > 0
+
+
+def test_fp8_decode_variants_transposed_value_kernel_matches_production():
+    """The probe's kernel over transposed value pages (keys token-major or head-major) gives
+    the production FP8 decode output: its timings compare the same attention."""
+    mod = _load("fp8_decode_variants")
+    from chatgate_kernels import triton_attention
+
+    gen = torch.Generator().manual_seed(0)
+    batch, ctx = 2, 48
+    blocks = batch * ctx // mod.BS + 1
+    shape = (blocks, mod.BS, mod.HKV, mod.D)
+    key = torch.randn(shape, generator=gen).to(torch.float8_e4m3fn)
+    value = torch.randn(shape, generator=gen).to(torch.float8_e4m3fn)
+    tables = (torch.randperm(blocks - 1, generator=gen) + 1).view(batch, -1).to(torch.int32)
+    query = torch.randn(batch, mod.HQ, mod.D, generator=gen).to(torch.bfloat16)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    want = triton_attention.paged_attention(query, key, value, tables, seq_lens, qsl, mod.SCALE,
+                                            1, ctx, k_scale=mod.K_SCALE, v_scale=mod.V_SCALE)
+    value_t = value.permute(0, 2, 3, 1).contiguous()
+    head_major_key = key.transpose(1, 2).contiguous().transpose(1, 2)
+    for k in (key, head_major_key):
+        out = torch.empty_like(query)
+        mod.decode_vt(query, k, value_t, tables, seq_lens, out, num_stages=5)
+        torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=1e-2 * want.abs().max())

@@ -1,0 +1,213 @@
+"""FP8 decode kernel variants at batch 256 against the production launch (CUDA only).
+
+The FP8 KV target (decode step at ctx 2048 <= 0.65x bf16's) needs the FP8 decode kernel at
+about 4.37 TB/s; the production launch reads ~4.1 TB/s. This measures the alternatives that
+change how the kernel reads the cache, each against the production launch in the same run:
+
+- ``HND pages``: the production kernel over a cache whose pages are head-major
+  (``[block, kv_head, token, dim]``; one head's page is one contiguous 2 KB run).
+- ``V^T``: a kernel whose FP8 value pages are stored transposed (``[block, kv_head, dim,
+  token]``, vLLM v0's value layout), so that ``P @ V`` reads tokens contiguously and Triton
+  feeds the MMA with ``ldmatrix`` instead of single-byte shared-memory loads.
+- ``splits N``: the production kernel with N decode splits (more, shorter programs).
+- ``maxnreg R``: the production kernel with its registers capped (more programs per SM).
+
+    python benchmarks/fp8_decode_variants.py
+
+Times are medians of CUDA-graph replays (``do_bench_cudagraph``); every variant's output is
+checked against the production kernel's. Kernel-only: no engine, no model.
+"""
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from chatgate_kernels import triton_attention  # noqa: E402
+
+HQ, HKV, D, BS = 32, 8, 128, 16  # Llama-3.1-8B heads, 16-token pages
+SCALE = D**-0.5
+K_SCALE, V_SCALE = 0.7, 1.3
+LOG2E = 1.4426950408889634
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+@triton.jit
+def _decode_vt_kernel(
+    q_ptr, k_ptr, vt_ptr, tables, seq_lens, out_ptr, qk_scale, v_scale,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vh, stride_vd,
+    stride_bs,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """One (KV head, sequence) over its whole context, one page per tile; the value page is
+    ``[dim, token]`` (tokens contiguous). The context must be a whole number of pages."""
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    seq_len = tl.load(seq_lens + seq)
+    g = tl.arange(0, 16)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    t = tl.arange(0, BLOCK_SIZE)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=head_ok[:, None], other=0.0).to(tl.float16)
+    table = tables + seq.to(tl.int64) * stride_bs
+    m = tl.full([16], float("-inf"), tl.float32)
+    lsum = tl.zeros([16], tl.float32)
+    acc = tl.zeros([16, HEAD_DIM], tl.float32)
+    for start in range(0, seq_len, BLOCK_SIZE):
+        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+        k = tl.load(k_ptr + block * stride_kb + kv_head * stride_kh
+                    + (t * stride_kt)[:, None] + d[None, :])
+        s = tl.dot(q, tl.trans(k.to(tl.float16)))
+        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        lsum = lsum * alpha + tl.sum(p, 1)
+        vt = tl.load(vt_ptr + block * stride_vb + kv_head * stride_vh
+                     + (d * stride_vd)[:, None] + t[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), tl.trans(vt.to(tl.float16)))
+        m = m_new
+    o = acc / lsum[:, None] * v_scale
+    dst = out_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+def decode_vt(q: torch.Tensor, key_cache: torch.Tensor, value_t: torch.Tensor,
+              tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
+              num_stages: int) -> None:
+    """``value_t``: ``[num_blocks, kv_heads, head_dim, block_size]``; ``key_cache`` any
+    ``[num_blocks, block_size, kv_heads, head_dim]`` view with a contiguous last dimension."""
+    _decode_vt_kernel[(HKV, seq_lens.shape[0])](
+        q, key_cache, value_t, tables, seq_lens, out, SCALE * LOG2E * K_SCALE, V_SCALE,
+        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_t.stride(0), value_t.stride(1), value_t.stride(2), tables.stride(0),
+        GROUP=HQ // HKV, HEAD_DIM=D, BLOCK_SIZE=BS, num_warps=1, num_stages=num_stages,
+    )
+
+
+class RegisterCapped:
+    """Stands in for the production decode kernel, launching it with ``maxnreg``."""
+
+    def __init__(self, kernel: triton.JITFunction, maxnreg: int) -> None:
+        self.kernel, self.maxnreg = kernel, maxnreg
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]:
+        return lambda *args, **kwargs: self.kernel[grid](*args, maxnreg=self.maxnreg, **kwargs)
+
+
+class Case:
+    """A random FP8 or bf16 paged cache at batch 256 and one context, shuffled block tables,
+    the same K/V also stored head-major and with transposed value pages."""
+
+    def __init__(self, ctx: int, dtype: torch.dtype, batch: int, gen: torch.Generator) -> None:
+        blocks = batch * ctx // BS + 1
+        shape = (blocks, BS, HKV, D)
+        self.key = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+        self.value = torch.randn(shape, device="cuda", generator=gen).to(dtype)
+        perm = torch.randperm(blocks - 1, device="cuda", generator=gen) + 1
+        self.tables = perm.view(batch, ctx // BS).to(torch.int32)
+        self.query = torch.randn(batch, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+        self.seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        self.qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        self.ctx = ctx
+        self.kv_bytes = 2 * self.key.numel() * self.key.element_size()
+
+    def production(self, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                   splits: int | None = None) -> Callable[[], object]:
+        return lambda: triton_attention.paged_attention(
+            self.query, key, value, self.tables, self.seq_lens, self.qsl, SCALE, 1, self.ctx,
+            out=out, num_splits=splits, k_scale=K_SCALE, v_scale=V_SCALE)
+
+    def variants(self) -> list[tuple[str, Callable[[], object], torch.Tensor]]:
+        """(name, launch, output) for the production launch first, then each alternative."""
+        head_major_k = self.key.transpose(1, 2).contiguous().transpose(1, 2)
+        head_major_v = self.value.transpose(1, 2).contiguous().transpose(1, 2)
+        value_t = self.value.permute(0, 2, 3, 1).contiguous()
+        outs = [torch.empty_like(self.query) for _ in range(9)]
+        rows: list[tuple[str, Callable[[], object], torch.Tensor]] = [
+            ("production", self.production(self.key, self.value, outs[0]), outs[0]),
+            ("HND pages", self.production(head_major_k, head_major_v, outs[1]), outs[1]),
+            ("splits 2", self.production(self.key, self.value, outs[2], 2), outs[2]),
+            ("splits 4", self.production(self.key, self.value, outs[3], 4), outs[3]),
+        ]
+        if self.key.dtype == torch.float8_e4m3fn:
+            for i, (name, key, stages) in enumerate(
+                    (("V^T, 5 stages", self.key, 5), ("V^T, 6 stages", self.key, 6),
+                     ("V^T + HND K, 5 stages", head_major_k, 5)), start=4):
+                rows.append((name, lambda key=key, stages=stages, out=outs[i]: decode_vt(
+                    self.query, key, value_t, self.tables, self.seq_lens, out, stages), outs[i]))
+        return rows
+
+
+def capped(case: Case, maxnreg: int, out: torch.Tensor) -> Callable[[], object]:
+    launch = case.production(case.key, case.value, out)
+
+    def run() -> object:
+        kernel = triton_attention._decode_kernel
+        triton_attention._decode_kernel = RegisterCapped(kernel, maxnreg)
+        try:
+            return launch()
+        finally:
+            triton_attention._decode_kernel = kernel
+    return run
+
+
+def measure(case: Case) -> list[dict]:
+    rows = case.variants()
+    rows += [(f"maxnreg {r}", capped(case, r, out), out)
+             for r, out in ((168, torch.empty_like(case.query)),
+                            (128, torch.empty_like(case.query)))]
+    results = []
+    for name, launch, out in rows:
+        launch()
+        torch.cuda.synchronize()
+        ref = rows[0][2].float()
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        ms = triton.testing.do_bench_cudagraph(launch, rep=60, return_mode="median")
+        results.append({"variant": name, "us": ms * 1e3, "gbps": case.kv_bytes / ms / 1e6,
+                        "rel_err": err})
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--ctx", type=int, nargs="+", default=[512, 1024, 2048])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("fp8_decode_variants.py measures Triton kernels on a CUDA GPU")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    log(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}")
+    table = []
+    for ctx in args.ctx:
+        for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+            case = Case(ctx, dtype, args.batch, gen)
+            for r in measure(case):
+                r.update(ctx=ctx, cache="fp8" if dtype == torch.float8_e4m3fn else "bf16")
+                table.append(r)
+                log(f"ctx {ctx} {r['cache']:4} {r['variant']:24} {r['us']:7.1f} us "
+                    f"{r['gbps']:6.0f} GB/s  max rel err {r['rel_err']:.1e}")
+            del case
+            torch.cuda.empty_cache()
+    print(f"\nbatch {args.batch}, Llama-3.1-8B heads; kernel alone, median of CUDA-graph replays")
+    print(f"{'ctx':>5} {'cache':5} {'variant':24} {'us':>8} {'GB/s':>6} {'x production':>12}")
+    for r in table:
+        base = next(b for b in table if b["ctx"] == r["ctx"] and b["cache"] == r["cache"]
+                    and b["variant"] == "production")
+        print(f"{r['ctx']:5} {r['cache']:5} {r['variant']:24} {r['us']:8.1f} {r['gbps']:6.0f} "
+              f"{r['us'] / base['us']:12.3f}")
+
+
+if __name__ == "__main__":
+    main()
