@@ -24,15 +24,12 @@ the cache write, SiLU·mul) share the same dispatch: one fused Triton launch eac
 the rotary is the C++ kernel (bit-identical to transformers'), the norms and SiLU·mul
 transformers' op-by-op torch code (the quantized model calls ``cpu_native``'s fused ones
 itself). So do the sampler's counter-based noise and ``fp8_per_token``, the per-row FP8
-quantization of an FP8 product's activations (``--quantization fp8``, CUDA), and the norms and
-SiLU·mul that end in it (``rms_norm_fp8``, ``add_rms_norm_fp8``, ``silu_and_mul_fp8``: one
-launch each on CUDA, code for code the two steps).
+quantization of an FP8 product's activations (``--quantization fp8``, CUDA).
 """
 
 from chatgate_kernels import cpu_native
 from chatgate_kernels.dispatch import (
     add_rms_norm,
-    add_rms_norm_fp8,
     attention_plan,
     decode_row_order,
     exponential_noise,
@@ -41,16 +38,13 @@ from chatgate_kernels.dispatch import (
     paged_attention,
     reshape_and_cache,
     rms_norm,
-    rms_norm_fp8,
     rotary_and_cache,
     silu_and_mul,
-    silu_and_mul_fp8,
 )
 
 __all__ = [
     "cpu_native",
     "add_rms_norm",
-    "add_rms_norm_fp8",
     "attention_plan",
     "decode_row_order",
     "exponential_noise",
@@ -59,8 +53,6 @@ __all__ = [
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
-    "rms_norm_fp8",
     "rotary_and_cache",
     "silu_and_mul",
-    "silu_and_mul_fp8",
 ]

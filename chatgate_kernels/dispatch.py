@@ -143,23 +143,6 @@ def fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _fused_or_reference(x).fp8_per_token(x)
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8_per_token(rms_norm(x, weight, eps))``: an FP8 product's input, one launch on CUDA."""
-    return _fused_or_reference(x).rms_norm_fp8(x, weight, eps)
-
-
-def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8_per_token(add_rms_norm(x, residual, weight, eps))``, one launch on CUDA."""
-    return _fused_or_reference(x).add_rms_norm_fp8(x, residual, weight, eps)
-
-
-def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8_per_token(silu_and_mul(gate_up))``, one launch on CUDA."""
-    return _fused_or_reference(gate_up).silu_and_mul_fp8(gate_up)
-
-
 def rotary_and_cache(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -250,20 +250,6 @@ def fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x32 / scales).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scales
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return fp8_per_token(rms_norm(x, weight, eps))
-
-
-def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return fp8_per_token(add_rms_norm(x, residual, weight, eps))
-
-
-def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return fp8_per_token(silu_and_mul(gate_up))
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin``, bit for bit: ``rotate_half(x)`` is
     ``x``'s halves swapped with the new first half negated, and ``-a * s == a * -s`` exactly,

@@ -1,6 +1,5 @@
 """Triton fusions of the decoder's elementwise work: RMSNorm (with the residual add), rotary
-embedding (with the K/V cache write) and SiLU·mul; for an FP8 product's input (``--quantization
-fp8``), the norms and SiLU·mul also write their rows as ``fp8_per_token`` codes and scales.
+embedding (with the K/V cache write) and SiLU·mul.
 
 Each one rounds to the activation dtype exactly where transformers' Llama rounds (every torch
 op on bf16 computes in fp32 and rounds its result), so it reproduces the op-by-op torch path
@@ -18,23 +17,11 @@ INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
 
 
 @triton.jit
-def _quantize_row(x, scale_ptr, row):
-    """``x`` (one row, float32) as FP8 codes in float32, its scale stored at ``scale_ptr +
-    row``: ``fp8_per_token``'s arithmetic for a row held whole in registers."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) * INV_FP8_MAX
-    tl.store(scale_ptr + row, scale)
-    # a correctly rounded division (``/`` compiles to an approximate one), as torch's
-    return tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-
-
-@triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr,
     stride_x, stride_r, stride_o, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One row; with ``FP8_OUT`` the output (rounded to ``x``'s dtype first) is stored as FP8
-    codes with its scale at ``scale_ptr``."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -47,10 +34,8 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
     normed = (x32 * rstd).to(x_ptr.dtype.element_ty)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = (w.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    if FP8_OUT:
-        out = _quantize_row(out.to(tl.float32), scale_ptr, row)
-    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 
 def _check_rows(*tensors: torch.Tensor) -> None:
@@ -58,66 +43,28 @@ def _check_rows(*tensors: torch.Tensor) -> None:
         raise ValueError("fused kernels need a contiguous last dimension")
 
 
-def _fp8_rows(num_tokens: int, width: int, device: torch.device
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty FP8 codes ``[num_tokens, width]`` and float32 scales ``[num_tokens, 1]``."""
-    return (torch.empty(num_tokens, width, device=device, dtype=torch.float8_e4m3fn),
-            torch.empty(num_tokens, 1, device=device, dtype=torch.float32))
-
-
-def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-          out: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+          eps: float) -> torch.Tensor:
     res = x if residual is None else residual  # unused without a residual
     _check_rows(x, res)
+    out = torch.empty_like(x)
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](
-            x, res, weight, out, out if scales is None else scales,
-            x.stride(0), res.stride(0), out.stride(0), x.shape[1], eps,
-            HAS_RESIDUAL=residual is not None, FP8_OUT=scales is not None,
-            BLOCK=triton.next_power_of_2(x.shape[1]),
+            x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), x.shape[1], eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]),
         )
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rmsnorm(x)`` over the last dimension of ``x [num_tokens, hidden]``."""
-    out = torch.empty_like(x)
-    _norm(x, None, weight, eps, out)
-    return out
+    return _norm(x, None, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """``residual += x`` (in place, rounded to its dtype), then ``weight * rmsnorm(residual)``."""
-    out = torch.empty_like(x)
-    _norm(x, residual, weight, eps, out)
-    return out
-
-
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8_per_token(rms_norm(x, weight, eps))`` in one launch, code for code."""
-    codes, scales = _fp8_rows(*x.shape, x.device)
-    _norm(x, None, weight, eps, codes, scales)
-    return codes, scales
-
-
-def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8_per_token(add_rms_norm(x, residual, weight, eps))`` in one launch, code for code."""
-    codes, scales = _fp8_rows(*x.shape, x.device)
-    _norm(x, residual, weight, eps, codes, scales)
-    return codes, scales
-
-
-@triton.jit
-def _silu_mul(row_ptr, cols, mask, width):
-    """``silu(gate) * up`` at ``cols`` of one row (gate, then up ``width`` further), each op
-    rounded to the row's dtype; returned in float32."""
-    ty = row_ptr.dtype.element_ty
-    gate = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row_ptr + width + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(ty)
-    return (act.to(tl.float32) * up).to(ty).to(tl.float32)
+    return _norm(x, residual, weight, eps)
 
 
 @triton.jit
@@ -127,8 +74,11 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
-    out = _silu_mul(x_ptr + row * stride_x, cols, mask, width)
-    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+    out = (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -142,43 +92,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=block,
         )
     return out
-
-
-@triton.jit
-def _silu_and_mul_fp8_kernel(
-    x_ptr, codes_ptr, scale_ptr, stride_x, stride_c, width, BLOCK: tl.constexpr,
-):
-    """One row of ``silu(gate) * up`` as FP8 codes: the products (rounded to ``x``'s dtype as
-    ``_silu_and_mul_kernel`` rounds them) are computed twice, for the row's scale, then for
-    its codes."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, width, BLOCK):
-        out = _silu_mul(x_ptr + row * stride_x + start, cols, start + cols < width, width)
-        amax = tl.maximum(amax, tl.abs(out))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * INV_FP8_MAX
-    tl.store(scale_ptr + row, scale)
-    for start in range(0, width, BLOCK):
-        mask = start + cols < width
-        out = _silu_mul(x_ptr + row * stride_x + start, cols, mask, width)
-        codes = tl.clamp(tl.math.div_rn(out, scale), -FP8_MAX, FP8_MAX)
-        tl.store(codes_ptr + row * stride_c + start + cols,
-                 codes.to(codes_ptr.dtype.element_ty), mask=mask)
-
-
-def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8_per_token(silu_and_mul(gate_up))`` in one launch of a program per row, code for
-    code."""
-    _check_rows(gate_up)
-    num_tokens, width = gate_up.shape[0], gate_up.shape[1] // 2
-    codes, scales = _fp8_rows(num_tokens, width, gate_up.device)
-    if num_tokens:
-        _silu_and_mul_fp8_kernel[(num_tokens,)](
-            gate_up, codes, scales, gate_up.stride(0), codes.stride(0), width,
-            BLOCK=min(2048, triton.next_power_of_2(width)), num_warps=4,
-        )
-    return codes, scales
 
 
 @triton.jit

@@ -21,7 +21,6 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 import chatgate_kernels
 from engine.quantization import (
     CPU_QUANTIZATIONS,
-    Fp8Rows,
     Int8Linear,
     QuantizedLinear,
     check_quantization,
@@ -78,12 +77,9 @@ class _Layer:
     gate_up: Weight | None = None
 
 
-def _linear(x: torch.Tensor | Fp8Rows, weight: Weight, bias: torch.Tensor | None = None
-            ) -> torch.Tensor:
-    """``x @ weight.T + bias``; ``x`` is :class:`Fp8Rows` only for FP8 products."""
+def _linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(weight, torch.Tensor):
         return weight(x)
-    assert isinstance(x, torch.Tensor)
     return F.linear(x, weight, bias)
 
 
@@ -139,9 +135,6 @@ class LlamaModel:
         # transformers' own op-by-op code (their rounding, for the float greedy oracle)
         self.fused_cpu = (chatgate_kernels.cpu_native.native() if cpu_quantized and tp is None
                           else None)
-        # FP8 products: the norms and SiLU·mul ahead of them write their rows as FP8 codes
-        # and scales (one launch each on CUDA); only the o projection quantizes its input itself
-        self.fp8_inputs = quantization == "fp8"
         rotary = LlamaRotaryEmbedding(config).to(self.device)
         positions = torch.arange(max_positions, device=self.device)[None, :]
         cos, sin = rotary(self.embed[:1], positions)
@@ -229,12 +222,7 @@ class LlamaModel:
         into ``kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``."""
         n = input_ids.shape[0]
         h = self._embed(input_ids)  # the residual stream, updated in place
-        x: torch.Tensor | Fp8Rows
-        if self.fp8_inputs:
-            x = Fp8Rows(*chatgate_kernels.rms_norm_fp8(h, self.layers[0].input_norm, self.eps),
-                        h.dtype)
-        else:
-            x = chatgate_kernels.rms_norm(h, self.layers[0].input_norm, self.eps)
+        x = chatgate_kernels.rms_norm(h, self.layers[0].input_norm, self.eps)
         if self.fused_cpu is not None:
             x = x.to(torch.bfloat16)
         cos, sin = self.cos[positions], self.sin[positions]
@@ -265,13 +253,9 @@ class LlamaModel:
         return x
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                  final: bool) -> torch.Tensor | Fp8Rows:
+                  final: bool) -> torch.Tensor:
         """``residual += x``, then its RMSNorm: the next linear layer's input (bfloat16 on the
-        fused CPU path, FP8 rows for FP8 products), or with ``final`` the hidden states (the
-        model's dtype)."""
-        if self.fp8_inputs and not final:
-            return Fp8Rows(*chatgate_kernels.add_rms_norm_fp8(x, residual, weight, self.eps),
-                           residual.dtype)
+        fused CPU path), or with ``final`` the hidden states (the model's dtype)."""
         if self.fused_cpu is None:
             return chatgate_kernels.add_rms_norm(x, residual, weight, self.eps)
         out = torch.empty(residual.shape, dtype=self.dtype if final else torch.bfloat16)
@@ -291,7 +275,7 @@ class LlamaModel:
         """A row-split layer's output: summed over the ranks (as it is, without them)."""
         return partial if self.tp is None else self.tp.all_reduce(partial)
 
-    def _qkv(self, layer: _Layer, x: torch.Tensor | Fp8Rows
+    def _qkv(self, layer: _Layer, x: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if layer.qkv is not None:
             # a quantized product of bfloat16 inputs is bfloat16: rotary and cache take the
@@ -302,12 +286,10 @@ class LlamaModel:
         return (F.linear(x, layer.q, layer.q_bias), F.linear(x, layer.k, layer.k_bias),
                 F.linear(x, layer.v, layer.v_bias))
 
-    def _gated(self, layer: _Layer, x: torch.Tensor | Fp8Rows) -> torch.Tensor | Fp8Rows:
-        """``silu(gate(x)) * up(x)`` (as FP8 rows for FP8 products)."""
+    def _gated(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate(x)) * up(x)``."""
         if layer.gate_up is not None:
             gate_up = _linear(x, layer.gate_up)
-            if self.fp8_inputs:
-                return Fp8Rows(*chatgate_kernels.silu_and_mul_fp8(gate_up), gate_up.dtype)
             if self.fused_cpu is not None:
                 out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
                 return self.fused_cpu.silu_and_mul(gate_up, out)

@@ -22,8 +22,7 @@ many rows share its step.
 
 For GPUs with FP8 tensor cores (compute capability 8.9 or later), ``fp8`` is vLLM's dynamic
 FP8 scheme: weights as float8_e4m3fn with one scale per output row, activations quantized per
-row (token) as they arrive (``chatgate_kernels.fp8_per_token``, or already by the norm or
-SiLU·mul ahead of the product: :class:`Fp8Rows`), the product on the FP8 tensor
+row (token) as they arrive (``chatgate_kernels.fp8_per_token``), the product on the FP8 tensor
 cores (``torch._scaled_mm``, float32 accumulation) at twice bfloat16's rate from half its
 weight bytes. The output layer stays in the model's dtype, as in vLLM. The CPU runs the same
 arithmetic through torch's reference FP8 product (slow: there it is for checks, and
@@ -31,8 +30,6 @@ arithmetic through torch's reference FP8 product (slow: there it is for checks, 
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
@@ -161,20 +158,10 @@ class Int4Linear:
         return _biased(y, self.bias, x.dtype)
 
 
-class Fp8Rows(NamedTuple):
-    """Activations in ``fp8_per_token``'s form, written by the kernel that computed them (a
-    norm or SiLU·mul), and the dtype they were computed in: the product's output dtype."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    dtype: torch.dtype
-
-
 class Fp8Linear:
     """``F.linear(x, weight, bias)`` as an FP8 product: ``weight`` as float8_e4m3fn rows with
-    one float32 scale each, ``x`` quantized per row at every call (or given quantized, as
-    :class:`Fp8Rows`); the output in bfloat16 before the bias (added in float32), then ``x``'s
-    dtype."""
+    one float32 scale each, ``x`` quantized per row at every call; the output in bfloat16
+    before the bias (added in float32), then ``x``'s dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         codes, scales = reference.fp8_per_token(weight.detach())
@@ -182,10 +169,9 @@ class Fp8Linear:
         self.scales = scales.view(1, -1)  # [1, out]
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
-        if not isinstance(x, Fp8Rows):
-            x = Fp8Rows(*chatgate_kernels.fp8_per_token(x), x.dtype)
-        y = torch._scaled_mm(x.codes, self.weight.t(), scale_a=x.scales, scale_b=self.scales,
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        codes, scales = chatgate_kernels.fp8_per_token(x)
+        y = torch._scaled_mm(codes, self.weight.t(), scale_a=scales, scale_b=self.scales,
                              out_dtype=torch.bfloat16)
         return _biased(y, self.bias, x.dtype)
 

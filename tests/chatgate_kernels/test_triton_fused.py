@@ -81,38 +81,6 @@ def test_fp8_per_token_gives_the_references_codes_and_row_scales(
     assert not codes.float()[3].any()
 
 
-def assert_same_rows(got: tuple[torch.Tensor, torch.Tensor],
-                     want: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """The same FP8 codes and the same row scales, bit for bit."""
-    assert got[0].dtype == torch.float8_e4m3fn and got[1].shape == want[1].shape
-    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), "FP8 codes differ"
-    assert torch.equal(got[1], want[1]), "row scales differ"
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_norms_write_the_codes_of_the_norm_then_fp8_per_token(dtype) -> None:
-    gen = torch.Generator().manual_seed(2)
-    x = (torch.randn(5, 96, generator=gen) * torch.tensor([[1e-3], [1], [1], [300], [0]])
-         ).to(dtype)
-    weight = (1 + torch.randn(96, generator=gen) / 4).to(dtype)
-    assert_same_rows(triton_fused.rms_norm_fp8(x, weight, 1e-5),
-                     triton_fused.fp8_per_token(triton_fused.rms_norm(x, weight, 1e-5)))
-    residual = torch.randn(5, 96, generator=gen).to(dtype)
-    want_residual = residual.clone()
-    want = triton_fused.fp8_per_token(triton_fused.add_rms_norm(x, want_residual, weight, 1e-5))
-    assert_same_rows(triton_fused.add_rms_norm_fp8(x, residual, weight, 1e-5), want)
-    assert torch.equal(residual, want_residual)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [48, 3000])
-def test_fp8_silu_and_mul_writes_the_codes_of_silu_and_mul_then_fp8_per_token(dtype, width):
-    gen = torch.Generator().manual_seed(width)
-    gate_up = (torch.randn(3, 2 * width, generator=gen) * 4).to(dtype)
-    assert_same_rows(triton_fused.silu_and_mul_fp8(gate_up),
-                     triton_fused.fp8_per_token(triton_fused.silu_and_mul(gate_up)))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
                          [(4, 4, 64, 16), (6, 2, 64, 8), (8, 1, 128, 32)])

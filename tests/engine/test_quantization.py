@@ -144,12 +144,20 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(layer_type) -> Non
         assert torch.equal(layer(x[r:])[0], together[r])
 
 
+# the least share of float32's greedy tokens each mode keeps: int8 and int4 keep ~95 % on
+# SmolLM2 and FP8 (3 mantissa bits for every activation too) ~90 % (benchmarks/quantization.py,
+# 1,024 positions); over these 56 positions a machine's float32 summation order moves FP8's
+# share by a token or two, so its bar sits below its mean. An FP8 product that drops its weight
+# scales keeps none.
+AGREEMENT_FLOOR = {"int8": 0.9, "int4": 0.9, "fp8": 0.85}
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
 def test_quantized_engine_picks_float32s_greedy_token_at_nearly_every_forced_position(
         quantization: str) -> None:
     quantized = LLM("smollm2", max_model_len=512, num_kv_blocks=256, quantization=quantization)
     agreement = teacher_forced_agreement(quantized)
-    assert agreement >= 0.9, agreement
+    assert agreement >= AGREEMENT_FLOOR[quantization], agreement
 
 
 def test_the_fused_decoder_stack_computes_the_op_by_op_layers_bit_for_bit() -> None:
