@@ -14,8 +14,9 @@ change how the kernel reads the cache, each against the production launch in the
 
     python benchmarks/fp8_decode_variants.py
 
-Times are medians of CUDA-graph replays (``do_bench_cudagraph``); every variant's output is
-checked against the production kernel's. Kernel-only: no engine, no model.
+Times are medians of CUDA-graph replays (``do_bench_cudagraph``); each variant's largest
+difference from the production kernel's output (relative to its largest value) is printed
+beside its time. Kernel-only: no engine, no model.
 """
 
 import argparse
