@@ -35,7 +35,6 @@ from chatgate_kernels import triton_attention  # noqa: E402
 HQ, HKV, D, BS = 32, 8, 128, 16  # Llama-3.1-8B heads, 16-token pages
 SCALE = D**-0.5
 K_SCALE, V_SCALE = 0.7, 1.3
-LOG2E = 1.4426950408889634
 T0 = time.time()
 
 
@@ -90,7 +89,8 @@ def decode_vt(q: torch.Tensor, key_cache: torch.Tensor, value_t: torch.Tensor,
     """``value_t``: ``[num_blocks, kv_heads, head_dim, block_size]``; ``key_cache`` any
     ``[num_blocks, block_size, kv_heads, head_dim]`` view with a contiguous last dimension."""
     _decode_vt_kernel[(HKV, seq_lens.shape[0])](
-        q, key_cache, value_t, tables, seq_lens, out, SCALE * LOG2E * K_SCALE, V_SCALE,
+        q, key_cache, value_t, tables, seq_lens, out,
+        SCALE * triton_attention._LOG2E * K_SCALE, V_SCALE,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_t.stride(0), value_t.stride(1), value_t.stride(2), tables.stride(0),
         GROUP=HQ // HKV, HEAD_DIM=D, BLOCK_SIZE=BS, num_warps=1, num_stages=num_stages,
@@ -130,50 +130,49 @@ class Case:
             self.query, key, value, self.tables, self.seq_lens, self.qsl, SCALE, 1, self.ctx,
             out=out, num_splits=splits, k_scale=K_SCALE, v_scale=V_SCALE)
 
+    def capped(self, maxnreg: int, out: torch.Tensor) -> Callable[[], object]:
+        """The production launch with the decode kernel's registers capped at ``maxnreg``."""
+        launch = self.production(self.key, self.value, out)
+
+        def run() -> object:
+            kernel = triton_attention._decode_kernel
+            triton_attention._decode_kernel = RegisterCapped(kernel, maxnreg)
+            try:
+                return launch()
+            finally:
+                triton_attention._decode_kernel = kernel
+        return run
+
     def variants(self) -> list[tuple[str, Callable[[], object], torch.Tensor]]:
         """(name, launch, output) for the production launch first, then each alternative."""
         head_major_k = self.key.transpose(1, 2).contiguous().transpose(1, 2)
         head_major_v = self.value.transpose(1, 2).contiguous().transpose(1, 2)
         value_t = self.value.permute(0, 2, 3, 1).contiguous()
-        outs = [torch.empty_like(self.query) for _ in range(9)]
-        rows: list[tuple[str, Callable[[], object], torch.Tensor]] = [
-            ("production", self.production(self.key, self.value, outs[0]), outs[0]),
-            ("HND pages", self.production(head_major_k, head_major_v, outs[1]), outs[1]),
-            ("splits 2", self.production(self.key, self.value, outs[2], 2), outs[2]),
-            ("splits 4", self.production(self.key, self.value, outs[3], 4), outs[3]),
+        makers: list[tuple[str, Callable[[torch.Tensor], Callable[[], object]]]] = [
+            ("production", lambda out: self.production(self.key, self.value, out)),
+            ("HND pages", lambda out: self.production(head_major_k, head_major_v, out)),
+            ("splits 2", lambda out: self.production(self.key, self.value, out, 2)),
+            ("splits 4", lambda out: self.production(self.key, self.value, out, 4)),
         ]
         if self.key.dtype == torch.float8_e4m3fn:
-            for i, (name, key, stages) in enumerate(
-                    (("V^T, 5 stages", self.key, 5), ("V^T, 6 stages", self.key, 6),
-                     ("V^T + HND K, 5 stages", head_major_k, 5)), start=4):
-                rows.append((name, lambda key=key, stages=stages, out=outs[i]: decode_vt(
-                    self.query, key, value_t, self.tables, self.seq_lens, out, stages), outs[i]))
-        return rows
-
-
-def capped(case: Case, maxnreg: int, out: torch.Tensor) -> Callable[[], object]:
-    launch = case.production(case.key, case.value, out)
-
-    def run() -> object:
-        kernel = triton_attention._decode_kernel
-        triton_attention._decode_kernel = RegisterCapped(kernel, maxnreg)
-        try:
-            return launch()
-        finally:
-            triton_attention._decode_kernel = kernel
-    return run
+            makers += [(name, lambda out, key=key, stages=stages: lambda: decode_vt(
+                            self.query, key, value_t, self.tables, self.seq_lens, out, stages))
+                       for name, key, stages in (("V^T, 5 stages", self.key, 5),
+                                                 ("V^T, 6 stages", self.key, 6),
+                                                 ("V^T + HND K, 5 stages", head_major_k, 5))]
+        makers += [(f"maxnreg {r}", lambda out, r=r: self.capped(r, out)) for r in (168, 128)]
+        outs = [torch.empty_like(self.query) for _ in makers]
+        return [(name, make(out), out) for (name, make), out in zip(makers, outs, strict=True)]
 
 
 def measure(case: Case) -> list[dict]:
     rows = case.variants()
-    rows += [(f"maxnreg {r}", capped(case, r, out), out)
-             for r, out in ((168, torch.empty_like(case.query)),
-                            (128, torch.empty_like(case.query)))]
+    rows[0][1]()  # the production output every variant is compared with
+    ref = rows[0][2].float()
     results = []
     for name, launch, out in rows:
         launch()
         torch.cuda.synchronize()
-        ref = rows[0][2].float()
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         ms = triton.testing.do_bench_cudagraph(launch, rep=60, return_mode="median")
         results.append({"variant": name, "us": ms * 1e3, "gbps": case.kv_bytes / ms / 1e6,
