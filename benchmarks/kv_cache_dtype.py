@@ -12,9 +12,10 @@ same run: pool size, the batch-256 decode step, offline throughput, and accuracy
 - Throughput: ``gpu_e2e``'s N-request workload (log-normal lengths, greedy, ``ignore_eos``)
   after its untimed warm-up pass.
 - Accuracy: ``--prompts`` prompts (chat prompts through the model's template when it has a
-  tokenizer, else random tokens), ``--tokens`` greedy tokens each from each engine; the same
-  weights upcast to float32 (transformers) are teacher-forced along each engine's own path:
-  the share of steps whose token is the float32 argmax.
+  tokenizer, else random tokens) and the bf16 cache's ``--tokens`` greedy tokens after each:
+  both engines are teacher-forced along that one path (one request per position, so both are
+  judged at the same positions) and so are the same weights upcast to float32 (transformers):
+  the share of positions whose engine token is the float32 argmax.
 
 Writes ``kv_cache_dtype.json`` to ``$OUT`` (default ``./out``); prints a table last.
 """
@@ -37,7 +38,6 @@ from benchmarks.gpu_e2e import (  # noqa: E402
     engine_throughput,
     make_requests,
     release_memory,
-    teacher_forced_margins,
 )
 from benchmarks.serving import TOPICS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
@@ -51,7 +51,9 @@ def log(msg: str) -> None:
 
 
 def run_engine(args, loaded: LoadedModel, kv_cache_dtype: str, prompts: list[list[int]],
-               requests, copy_bw: float) -> dict:
+               paths: list[list[int]], requests, copy_bw: float) -> dict:
+    """Pool size, decode steps and throughput of one cache dtype, and its greedy token at
+    every position of ``paths`` (``paths`` empty: first the engine's own greedy paths)."""
     start = time.perf_counter()
     device = torch.device(args.device)
     llm = LLM(model=args.model, device=args.device, dtype="bfloat16", loaded=loaded,
@@ -63,8 +65,13 @@ def run_engine(args, loaded: LoadedModel, kv_cache_dtype: str, prompts: list[lis
                     "init_s": time.perf_counter() - start}
     log(f"{kv_cache_dtype}: {runner.num_blocks} blocks of {runner.bytes_per_block} bytes, "
         f"up in {result['init_s']:.1f}s")
-    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    result["greedy"] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    if not paths:
+        greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+        paths.extend(o.outputs[0].token_ids for o in llm.generate(prompts, greedy))
+    forced = [p + path[:j] for p, path in zip(prompts, paths, strict=True)
+              for j in range(len(path))]
+    next_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    result["chosen"] = [o.outputs[0].token_ids[0] for o in llm.generate(forced, next_token)]
     result["decode_step"] = [decode_step_roofline(llm, args.decode_batch, ctx, copy_bw, device)
                              for ctx in args.decode_ctx] if device.type == "cuda" else []
     for r in result["decode_step"]:
@@ -75,6 +82,14 @@ def run_engine(args, loaded: LoadedModel, kv_cache_dtype: str, prompts: list[lis
     del llm, runner
     release_memory(device)
     return result
+
+
+def fp32_argmax_along(hf, prompt: list[int], path: list[int],
+                      device: torch.device) -> list[int]:
+    """``hf``'s argmax at every position of ``path`` after ``prompt``, fed ``path`` so far."""
+    ids = torch.tensor([prompt + path[:-1]], device=device)
+    with torch.inference_mode():
+        return hf(ids).logits[0, len(prompt) - 1:].argmax(dim=-1).tolist()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,21 +123,23 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [rng.integers(0, vocab, size=int(n)).tolist()
                    for n in rng.integers(64, 512, size=args.prompts)]
     requests = make_requests(args.num_requests, vocab, args.seed, (32, 1024), (32, 512))
-    runs = {kv: run_engine(args, loaded, kv, prompts, requests, copy_bw) for kv in KV_DTYPES}
+    paths: list[list[int]] = []  # the bf16 cache's greedy tokens, filled by its run
+    runs = {kv: run_engine(args, loaded, kv, prompts, paths, requests, copy_bw)
+            for kv in KV_DTYPES}
 
-    log("float32 reference: teacher-forced along each engine's greedy path")
+    log("float32 reference: teacher-forced along the bf16 cache's greedy path")
     weights = {name: t.float() for name, t in loaded.state_dict.items()}
     config = loaded.config
     del loaded
     release_memory(device)
     hf32 = build_hf_model(LoadedModel(args.model, config, weights, None))
+    expected = [token for prompt, path in zip(prompts, paths, strict=True)
+                for token in fp32_argmax_along(hf32, prompt, path, device)]
     for run in runs.values():
-        deficits: list[float] = []
-        for prompt, tokens in zip(prompts, run["greedy"], strict=True):
-            deficits += teacher_forced_margins(hf32, prompt, tokens, device)
-        run["fp32_argmax"] = sum(d == 0 for d in deficits) / len(deficits)
-        run["fp32_steps"] = len(deficits)
-        del run["greedy"]
+        chosen = run.pop("chosen")
+        run["fp32_argmax"] = sum(a == b for a, b in zip(chosen, expected, strict=True)) / len(
+            expected)
+        run["fp32_steps"] = len(expected)
 
     (out_dir / "kv_cache_dtype.json").write_text(json.dumps(
         {"args": vars(args), "copy_bandwidth_Bps": copy_bw, "runs": runs}, indent=2))
@@ -148,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{ft['output_tokens_per_s'] / bt['output_tokens_per_s']:>8.2f}")
     print(f"{'fp32 argmax, teacher-forced':34}{base['fp32_argmax']:>12.1%}"
           f"{fp8['fp32_argmax']:>12.1%}{fp8['fp32_argmax'] - base['fp32_argmax']:>+8.1%}"
-          f"  ({base['fp32_steps']} steps)")
+          f"  ({base['fp32_steps']} positions, one path)")
 
 
 if __name__ == "__main__":

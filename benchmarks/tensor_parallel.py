@@ -141,7 +141,8 @@ def run(args, log) -> dict:
                 f"({et['seconds']:.1f} s, {et['steps']} steps)")
             if device.type == "cuda":
                 raw["floor"] = gpu_e2e.workload_floor(llm, et, gpu_e2e.matmul_rates(llm, device),
-                                                      gpu_e2e.copy_bandwidth(device))
+                                                      gpu_e2e.copy_bandwidth(device),
+                                                      gpu_e2e.l2_cache_bytes(device))
                 log(f"floor of these steps (one rank's shard): {raw['floor']}")
         release(llm)
     raw["decode_step_s"] = {str(r): {str(b): s for b, s in v.items()} for r, v in steps.items()}

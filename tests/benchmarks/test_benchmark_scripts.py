@@ -3,6 +3,7 @@ tiny random-weight Llama with SmolLM2's tokenizer), prints its final table and w
 output and plots. No timing is asserted: these only keep the scripts from rotting."""
 
 import importlib.util
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -204,3 +205,44 @@ def test_fp8_decode_variants_transposed_value_kernel_matches_production():
         out = torch.empty_like(query)
         mod.decode_vt(query, k, value_t, tables, seq_lens, out, num_stages=5)
         torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=1e-2 * want.abs().max())
+
+
+def test_overlap_floor_lies_between_the_flop_floor_and_the_serial_floor(tiny_model):
+    """``gpu_e2e.overlap_floor_s``: with no KV and no L2 it is every GEMM in series (the FLOP
+    floor when each is compute-bound); with KV reads, the MLP and lm_head come on top of them;
+    it never exceeds the serial floor, and more L2 never raises it."""
+    from engine import LLM
+
+    mod = _load("gpu_e2e")
+    model = LLM(tiny_model, max_model_len=64, num_kv_blocks=8).engine.runner.model
+    batch, slow, bw = 256, (1e9, 1e9), 1e12  # FLOP-bound GEMMs
+    flop_s = 2 * batch * (mod.layer_params(model) + model.lm_head.numel()) / slow[0]
+    assert mod.overlap_floor_s(model, batch, batch, 0, slow, bw, 0) == pytest.approx(flop_s)
+    weight_bytes = mod.layer_weight_bytes(model) + model.lm_head.numel() * 4
+    for kv_bytes in (0, 1e9, 1e14):
+        serial = max(flop_s, weight_bytes / bw) + kv_bytes / bw
+        floors = [mod.overlap_floor_s(model, batch, batch, kv_bytes, slow, bw, l2)
+                  for l2 in (0, 1 << 10, 1 << 20, 1 << 40)]
+        assert all(a >= b * (1 - 1e-12) for a, b in itertools.pairwise(floors))
+        assert max(flop_s, kv_bytes / bw) * (1 - 1e-12) <= floors[0] <= serial * (1 + 1e-12)
+    down = model.layers[0].down
+    mlp_s = 2 * batch * 3 * len(model.layers) * down.numel() / slow[0]
+    head_s = 2 * batch * model.lm_head.numel() / slow[0]
+    assert mod.overlap_floor_s(model, batch, batch, 1e14, slow, bw, 0) == pytest.approx(
+        mlp_s + head_s + 1e14 / bw)
+    assert mod.overlap_floor_s(model, batch, batch, 1e14, slow, bw, 1 << 40) == pytest.approx(
+        head_s + 1e14 / bw)
+
+
+def test_kv_cache_dtype_scores_both_caches_along_one_path(tmp_path, tiny_model, capsys,
+                                                          monkeypatch):
+    """The FP8 KV benchmark on CPU: twice the blocks, and both caches' tokens scored at the same
+    positions (one request per position of the bf16 cache's greedy path)."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    _load("kv_cache_dtype").main(["--device", "cpu", "--model", tiny_model, "--num-requests",
+                                  "0", "--prompts", "2", "--tokens", "4"])
+    assert "(8 positions, one path)" in capsys.readouterr().out
+    runs = json.loads((tmp_path / "kv_cache_dtype.json").read_text())["runs"]
+    assert runs["fp8"]["num_blocks"] >= 2 * runs["auto"]["num_blocks"]
+    assert runs["auto"]["fp32_steps"] == runs["fp8"]["fp32_steps"] == 8
+    assert all(0 <= run["fp32_argmax"] <= 1 for run in runs.values())
