@@ -42,6 +42,11 @@ Method:
   the copy bandwidth measured in the same run as in ``benchmarks/attention_kernels.py`` (a 4 GiB
   device-to-device copy, bytes read + written per second). The full engine step (host work
   included) at 256 running rows is taken from the throughput run's pure-decode steps.
+- Floors, each from the sustained matmul rate and the copy bandwidth measured in the run: the
+  floor (every step at the larger of its FLOPs and its bytes), the serial floor (GEMMs, then
+  the KV reads, as a layer's dependencies order them) and between them the overlap floor
+  (attention beside every GEMM those dependencies allow, :func:`overlap_floor_s`); for the
+  throughput run's steps and for each decode step.
 """
 
 import argparse
