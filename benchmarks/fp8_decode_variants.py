@@ -9,6 +9,8 @@ change how the kernel reads the cache, each against the production launch in the
 - ``V^T``: a kernel whose FP8 value pages are stored transposed (``[block, kv_head, dim,
   token]``, vLLM v0's value layout), so that ``P @ V`` reads tokens contiguously and Triton
   feeds the MMA with ``ldmatrix`` instead of single-byte shared-memory loads.
+- ``TMA``: a kernel that fetches each page's K and V rows of its head with the copy engine
+  (Hopper TMA, through tensor descriptors), values as stored or transposed.
 - ``splits N``: the production kernel with N decode splits (more, shorter programs).
 - ``maxnreg R``: the production kernel with its registers capped (more programs per SM).
 
@@ -97,6 +99,81 @@ def decode_vt(q: torch.Tensor, key_cache: torch.Tensor, value_t: torch.Tensor,
     )
 
 
+@triton.jit
+def _decode_tma_kernel(
+    q_ptr, k_desc, v_desc, tables, seq_lens, out_ptr, qk_scale, v_scale,
+    stride_qt, stride_qh, stride_bs,
+    GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, VALUE_T: tl.constexpr,
+):
+    """One (KV head, sequence) over its whole context, one page per tile, each page's K and V
+    rows of the head fetched by the copy engine (TMA) through tensor descriptors: ``k_desc``
+    over token rows ``[blocks * block_size, kv_heads * dim]``; ``v_desc`` the same, or with
+    ``VALUE_T`` over transposed value pages ``[blocks * kv_heads * dim, block_size]``. The
+    context must be a whole number of pages."""
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    seq_len = tl.load(seq_lens + seq)
+    g = tl.arange(0, 16)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=head_ok[:, None], other=0.0).to(tl.float16)
+    table = tables + seq.to(tl.int64) * stride_bs
+    m = tl.full([16], float("-inf"), tl.float32)
+    lsum = tl.zeros([16], tl.float32)
+    acc = tl.zeros([16, HEAD_DIM], tl.float32)
+    for start in range(0, seq_len, BLOCK_SIZE):
+        block = tl.load(table + start // BLOCK_SIZE)
+        k = k_desc.load([block * BLOCK_SIZE, kv_head * HEAD_DIM])
+        s = tl.dot(q, tl.trans(k.to(tl.float16)))
+        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        lsum = lsum * alpha + tl.sum(p, 1)
+        if VALUE_T:
+            vt = v_desc.load([(block * NUM_KV_HEADS + kv_head) * HEAD_DIM, 0])
+            pv = tl.dot(p.to(tl.float16), tl.trans(vt.to(tl.float16)))
+        else:
+            v = v_desc.load([block * BLOCK_SIZE, kv_head * HEAD_DIM])
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    o = acc / lsum[:, None] * v_scale
+    dst = out_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+def decode_tma(q: torch.Tensor, key_cache: torch.Tensor, value: torch.Tensor,
+               tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
+               num_stages: int, value_t: bool) -> Callable[[], object]:
+    """A launch of :func:`_decode_tma_kernel`; ``key_cache`` contiguous ``[num_blocks,
+    block_size, kv_heads, head_dim]``, ``value`` the same, or with ``value_t`` transposed pages
+    ``[num_blocks, kv_heads, head_dim, block_size]``. Descriptors are made once."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = key_cache.shape[0] * BS
+    k_desc = TensorDescriptor(key_cache.view(rows, HKV * D), [rows, HKV * D], [HKV * D, 1],
+                              [BS, D])
+    if value_t:
+        v_rows = value.shape[0] * HKV * D
+        v_desc = TensorDescriptor(value.view(v_rows, BS), [v_rows, BS], [BS, 1], [D, BS])
+    else:
+        v_desc = TensorDescriptor(value.view(rows, HKV * D), [rows, HKV * D], [HKV * D, 1],
+                                  [BS, D])
+
+    def launch() -> object:
+        return _decode_tma_kernel[(HKV, seq_lens.shape[0])](
+            q, k_desc, v_desc, tables, seq_lens, out,
+            SCALE * triton_attention._LOG2E * K_SCALE, V_SCALE,
+            q.stride(0), q.stride(1), tables.stride(0),
+            GROUP=HQ // HKV, NUM_KV_HEADS=HKV, HEAD_DIM=D, BLOCK_SIZE=BS, VALUE_T=value_t,
+            num_warps=1, num_stages=num_stages,
+        )
+    return launch
+
+
 class RegisterCapped:
     """Stands in for the production decode kernel, launching it with ``maxnreg``."""
 
@@ -160,6 +237,14 @@ class Case:
                        for name, key, stages in (("V^T, 5 stages", self.key, 5),
                                                  ("V^T, 6 stages", self.key, 6),
                                                  ("V^T + HND K, 5 stages", head_major_k, 5))]
+            makers += [(name, lambda out, values=values, stages=stages, vt=vt: decode_tma(
+                            self.query, self.key, values, self.tables, self.seq_lens, out,
+                            stages, vt))
+                       for name, values, stages, vt in (
+                           ("TMA pages, 5 stages", self.value, 5, False),
+                           ("TMA pages, 8 stages", self.value, 8, False),
+                           ("TMA K + V^T, 5 stages", value_t, 5, True),
+                           ("TMA K + V^T, 8 stages", value_t, 8, True))]
         makers += [(f"maxnreg {r}", lambda out, r=r: self.capped(r, out)) for r in (168, 128)]
         outs = [torch.empty_like(self.query) for _ in makers]
         return [(name, make(out), out) for (name, make), out in zip(makers, outs, strict=True)]

@@ -181,9 +181,10 @@ def test_tensor_parallel_quick(tmp_path, tiny_model, capsys):
     assert raw["throughput"]["output_tokens"] > 0
 
 
-def test_fp8_decode_variants_transposed_value_kernel_matches_production():
-    """The probe's kernel over transposed value pages (keys token-major or head-major) gives
-    the production FP8 decode output: its timings compare the same attention."""
+def test_fp8_decode_variants_kernels_match_production():
+    """The probe's kernels give the production FP8 decode output, so its timings compare the
+    same attention: transposed value pages (keys token-major or head-major), and pages fetched
+    through tensor descriptors (values as stored or transposed)."""
     mod = _load("fp8_decode_variants")
     from chatgate_kernels import triton_attention
 
@@ -204,6 +205,10 @@ def test_fp8_decode_variants_transposed_value_kernel_matches_production():
     for k in (key, head_major_key):
         out = torch.empty_like(query)
         mod.decode_vt(query, k, value_t, tables, seq_lens, out, num_stages=5)
+        torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=1e-2 * want.abs().max())
+    for values, transposed in ((value, False), (value_t, True)):
+        out = torch.empty_like(query)
+        mod.decode_tma(query, key, values, tables, seq_lens, out, 5, transposed)()
         torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=1e-2 * want.abs().max())
 
 
