@@ -8,7 +8,8 @@ change how the kernel reads the cache, each against the production launch in the
   (``[block, kv_head, token, dim]``; one head's page is one contiguous 2 KB run).
 - ``V^T``: a kernel whose FP8 value pages are stored transposed (``[block, kv_head, dim,
   token]``, vLLM v0's value layout), so that ``P @ V`` reads tokens contiguously and Triton
-  feeds the MMA with ``ldmatrix`` instead of single-byte shared-memory loads.
+  feeds the MMA with ``ldmatrix`` instead of single-byte shared-memory loads; one or two pages
+  per tile.
 - ``TMA``: a kernel that fetches each page's K and V rows of its head with the copy engine
   (Hopper TMA, through tensor descriptors), values as stored or transposed.
 - ``splits N``: the production kernel with N decode splits (more, shorter programs).
@@ -49,10 +50,10 @@ def _decode_vt_kernel(
     q_ptr, k_ptr, vt_ptr, tables, seq_lens, out_ptr, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vh, stride_vd,
     stride_bs,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
 ):
-    """One (KV head, sequence) over its whole context, one page per tile; the value page is
-    ``[dim, token]`` (tokens contiguous). The context must be a whole number of pages."""
+    """One (KV head, sequence) over its whole context, ``PAGES`` pages per tile; the value page
+    is ``[dim, token]`` (tokens contiguous). The context must be a whole number of tiles."""
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     seq_len = tl.load(seq_lens + seq)
@@ -60,24 +61,29 @@ def _decode_vt_kernel(
     heads = kv_head * GROUP + g
     head_ok = g < GROUP
     d = tl.arange(0, HEAD_DIM)
-    t = tl.arange(0, BLOCK_SIZE)
+    t = tl.arange(0, PAGES * BLOCK_SIZE) % BLOCK_SIZE  # each column's token within its page
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=head_ok[:, None], other=0.0).to(tl.float16)
     table = tables + seq.to(tl.int64) * stride_bs
     m = tl.full([16], float("-inf"), tl.float32)
     lsum = tl.zeros([16], tl.float32)
     acc = tl.zeros([16, HEAD_DIM], tl.float32)
-    for start in range(0, seq_len, BLOCK_SIZE):
-        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
-        k = tl.load(k_ptr + block * stride_kb + kv_head * stride_kh
-                    + (t * stride_kt)[:, None] + d[None, :])
+    for start in range(0, seq_len, PAGES * BLOCK_SIZE):
+        pages = tl.load(table + start // BLOCK_SIZE + tl.arange(0, PAGES)).to(tl.int64)
+        block = tl.reshape(tl.broadcast_to(pages[:, None], [PAGES, BLOCK_SIZE]),
+                           [PAGES * BLOCK_SIZE])  # each column's cache block
+        # the reshape hides the offsets' alignment from the compiler: restate it (every key row
+        # starts at a multiple of 16 elements; value rows are runs of one page's tokens)
+        k_rows = tl.multiple_of(block * stride_kb + kv_head * stride_kh + t * stride_kt, 16)
+        v_cols = tl.max_contiguous(tl.multiple_of(
+            block * stride_vb + kv_head * stride_vh + t, BLOCK_SIZE), BLOCK_SIZE)
+        k = tl.load(k_ptr + k_rows[:, None] + d[None, :])
         s = tl.dot(q, tl.trans(k.to(tl.float16)))
         m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
         p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         lsum = lsum * alpha + tl.sum(p, 1)
-        vt = tl.load(vt_ptr + block * stride_vb + kv_head * stride_vh
-                     + (d * stride_vd)[:, None] + t[None, :])
+        vt = tl.load(vt_ptr + (d * stride_vd)[:, None] + v_cols[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), tl.trans(vt.to(tl.float16)))
         m = m_new
     o = acc / lsum[:, None] * v_scale
@@ -87,15 +93,17 @@ def _decode_vt_kernel(
 
 def decode_vt(q: torch.Tensor, key_cache: torch.Tensor, value_t: torch.Tensor,
               tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-              num_stages: int) -> None:
+              num_stages: int, pages: int = 1) -> None:
     """``value_t``: ``[num_blocks, kv_heads, head_dim, block_size]``; ``key_cache`` any
-    ``[num_blocks, block_size, kv_heads, head_dim]`` view with a contiguous last dimension."""
+    ``[num_blocks, block_size, kv_heads, head_dim]`` view with a contiguous last dimension;
+    ``pages`` pages per tile."""
     _decode_vt_kernel[(HKV, seq_lens.shape[0])](
         q, key_cache, value_t, tables, seq_lens, out,
         SCALE * triton_attention._LOG2E * K_SCALE, V_SCALE,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_t.stride(0), value_t.stride(1), value_t.stride(2), tables.stride(0),
-        GROUP=HQ // HKV, HEAD_DIM=D, BLOCK_SIZE=BS, num_warps=1, num_stages=num_stages,
+        GROUP=HQ // HKV, HEAD_DIM=D, BLOCK_SIZE=BS, PAGES=pages, num_warps=1,
+        num_stages=num_stages,
     )
 
 
@@ -232,11 +240,16 @@ class Case:
             ("splits 4", lambda out: self.production(self.key, self.value, out, 4)),
         ]
         if self.key.dtype == torch.float8_e4m3fn:
-            makers += [(name, lambda out, key=key, stages=stages: lambda: decode_vt(
-                            self.query, key, value_t, self.tables, self.seq_lens, out, stages))
-                       for name, key, stages in (("V^T, 5 stages", self.key, 5),
-                                                 ("V^T, 6 stages", self.key, 6),
-                                                 ("V^T + HND K, 5 stages", head_major_k, 5))]
+            makers += [(name, lambda out, key=key, stages=stages, pages=pages: lambda: decode_vt(
+                            self.query, key, value_t, self.tables, self.seq_lens, out, stages,
+                            pages))
+                       for name, key, stages, pages in (
+                           ("V^T, 5 stages", self.key, 5, 1),
+                           ("V^T, 6 stages", self.key, 6, 1),
+                           ("V^T + HND K, 5 stages", head_major_k, 5, 1),
+                           ("V^T, 2 pages, 4 stages", self.key, 4, 2),
+                           ("V^T, 2 pages, 5 stages", self.key, 5, 2),
+                           ("V^T + HND K, 2 pages, 5 st", head_major_k, 5, 2))]
             makers += [(name, lambda out, values=values, stages=stages, vt=vt: decode_tma(
                             self.query, self.key, values, self.tables, self.seq_lens, out,
                             stages, vt))

@@ -183,13 +183,13 @@ def test_tensor_parallel_quick(tmp_path, tiny_model, capsys):
 
 def test_fp8_decode_variants_kernels_match_production():
     """The probe's kernels give the production FP8 decode output, so its timings compare the
-    same attention: transposed value pages (keys token-major or head-major), and pages fetched
-    through tensor descriptors (values as stored or transposed)."""
+    same attention: transposed value pages (keys token-major or head-major, one or two pages
+    per tile), and pages fetched through tensor descriptors (values as stored or transposed)."""
     mod = _load("fp8_decode_variants")
     from chatgate_kernels import triton_attention
 
     gen = torch.Generator().manual_seed(0)
-    batch, ctx = 2, 48
+    batch, ctx = 2, 64
     blocks = batch * ctx // mod.BS + 1
     shape = (blocks, mod.BS, mod.HKV, mod.D)
     key = torch.randn(shape, generator=gen).to(torch.float8_e4m3fn)
@@ -202,9 +202,9 @@ def test_fp8_decode_variants_kernels_match_production():
                                             1, ctx, k_scale=mod.K_SCALE, v_scale=mod.V_SCALE)
     value_t = value.permute(0, 2, 3, 1).contiguous()
     head_major_key = key.transpose(1, 2).contiguous().transpose(1, 2)
-    for k in (key, head_major_key):
+    for k, pages in ((key, 1), (head_major_key, 1), (key, 2), (head_major_key, 2)):
         out = torch.empty_like(query)
-        mod.decode_vt(query, k, value_t, tables, seq_lens, out, num_stages=5)
+        mod.decode_vt(query, k, value_t, tables, seq_lens, out, num_stages=5, pages=pages)
         torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=1e-2 * want.abs().max())
     for values, transposed in ((value, False), (value_t, True)):
         out = torch.empty_like(query)
