@@ -46,6 +46,39 @@ def log(msg: str) -> None:
 
 
 @triton.jit
+def _query_rows(q_ptr, seq, kv_head, stride_qt, stride_qh,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The query heads of one KV head's group, padded to 16 rows, in fp16 (the MMA's input for
+    FP8 keys and values), with their head indices and the mask of the real ones."""
+    g = tl.arange(0, 16)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=head_ok[:, None], other=0.0).to(tl.float16)
+    return q, heads, head_ok
+
+
+@triton.jit
+def _softmax_step(s, m, lsum, qk_scale):
+    """One tile's scores into the running max and sum: (probabilities, rescale, max, sum)."""
+    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    return p, alpha, m_new, lsum * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, lsum, v_scale, seq, heads, head_ok, stride_qt, stride_qh,
+                HEAD_DIM: tl.constexpr):
+    """The normalised output of the group's real query heads."""
+    d = tl.arange(0, HEAD_DIM)
+    o = acc / lsum[:, None] * v_scale
+    dst = out_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit
 def _decode_vt_kernel(
     q_ptr, k_ptr, vt_ptr, tables, seq_lens, out_ptr, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vh, stride_vd,
@@ -57,13 +90,9 @@ def _decode_vt_kernel(
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     seq_len = tl.load(seq_lens + seq)
-    g = tl.arange(0, 16)
-    heads = kv_head * GROUP + g
-    head_ok = g < GROUP
+    q, heads, head_ok = _query_rows(q_ptr, seq, kv_head, stride_qt, stride_qh, GROUP, HEAD_DIM)
     d = tl.arange(0, HEAD_DIM)
     t = tl.arange(0, PAGES * BLOCK_SIZE) % BLOCK_SIZE  # each column's token within its page
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=head_ok[:, None], other=0.0).to(tl.float16)
     table = tables + seq.to(tl.int64) * stride_bs
     m = tl.full([16], float("-inf"), tl.float32)
     lsum = tl.zeros([16], tl.float32)
@@ -79,16 +108,10 @@ def _decode_vt_kernel(
             block * stride_vb + kv_head * stride_vh + t, BLOCK_SIZE), BLOCK_SIZE)
         k = tl.load(k_ptr + k_rows[:, None] + d[None, :])
         s = tl.dot(q, tl.trans(k.to(tl.float16)))
-        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        lsum = lsum * alpha + tl.sum(p, 1)
+        p, alpha, m, lsum = _softmax_step(s, m, lsum, qk_scale)
         vt = tl.load(vt_ptr + (d * stride_vd)[:, None] + v_cols[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), tl.trans(vt.to(tl.float16)))
-        m = m_new
-    o = acc / lsum[:, None] * v_scale
-    dst = out_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    _store_rows(out_ptr, acc, lsum, v_scale, seq, heads, head_ok, stride_qt, stride_qh, HEAD_DIM)
 
 
 def decode_vt(q: torch.Tensor, key_cache: torch.Tensor, value_t: torch.Tensor,
@@ -122,12 +145,7 @@ def _decode_tma_kernel(
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     seq_len = tl.load(seq_lens + seq)
-    g = tl.arange(0, 16)
-    heads = kv_head * GROUP + g
-    head_ok = g < GROUP
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=head_ok[:, None], other=0.0).to(tl.float16)
+    q, heads, head_ok = _query_rows(q_ptr, seq, kv_head, stride_qt, stride_qh, GROUP, HEAD_DIM)
     table = tables + seq.to(tl.int64) * stride_bs
     m = tl.full([16], float("-inf"), tl.float32)
     lsum = tl.zeros([16], tl.float32)
@@ -136,10 +154,7 @@ def _decode_tma_kernel(
         block = tl.load(table + start // BLOCK_SIZE)
         k = k_desc.load([block * BLOCK_SIZE, kv_head * HEAD_DIM])
         s = tl.dot(q, tl.trans(k.to(tl.float16)))
-        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        lsum = lsum * alpha + tl.sum(p, 1)
+        p, alpha, m, lsum = _softmax_step(s, m, lsum, qk_scale)
         if VALUE_T:
             vt = v_desc.load([(block * NUM_KV_HEADS + kv_head) * HEAD_DIM, 0])
             pv = tl.dot(p.to(tl.float16), tl.trans(vt.to(tl.float16)))
@@ -147,10 +162,7 @@ def _decode_tma_kernel(
             v = v_desc.load([block * BLOCK_SIZE, kv_head * HEAD_DIM])
             pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
         acc = acc * alpha[:, None] + pv
-        m = m_new
-    o = acc / lsum[:, None] * v_scale
-    dst = out_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    _store_rows(out_ptr, acc, lsum, v_scale, seq, heads, head_ok, stride_qt, stride_qh, HEAD_DIM)
 
 
 def decode_tma(q: torch.Tensor, key_cache: torch.Tensor, value: torch.Tensor,
