@@ -58,6 +58,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -415,7 +416,29 @@ def matmul_rates(llm: LLM, device: torch.device) -> tuple[float, float]:
     return (matmul_rate(device, fp8=True) if fp8 else bf16), bf16
 
 
-def overlap_floor_s(model, tokens: int, rows: int, kv_bytes: float,
+@dataclass(frozen=True)
+class WeightSplit:
+    """A model's weights as the overlap floor splits them: every decoder layer's (norms
+    included), the MLP's share of them, and lm_head's."""
+
+    layers: int
+    params: int
+    bytes_per_param: float
+    mlp_params: int  # gate, up and down of every layer
+    head_params: int
+    head_bytes_each: int
+
+    @classmethod
+    def of(cls, model) -> "WeightSplit":
+        params = layer_params(model)
+        down = model.layers[0].down
+        down_params = (down if isinstance(down, torch.Tensor) else down.weight).numel()
+        return cls(len(model.layers), params, layer_weight_bytes(model) / params,
+                   3 * len(model.layers) * down_params, model.lm_head.numel(),
+                   model.lm_head.element_size())
+
+
+def overlap_floor_s(split: WeightSplit, tokens: int, rows: int, kv_bytes: float,
                     rates: tuple[float, float], copy_bw: float, l2_bytes: int) -> float:
     """The floor of one step whose attention runs beside every GEMM the layers' data
     dependencies let it run beside, each weight read once (the most a persistent whole-layer
@@ -426,19 +449,14 @@ def overlap_floor_s(model, tokens: int, rows: int, kv_bytes: float,
     costs the larger of its FLOPs at ``rates`` and its weight bytes at ``copy_bw``; ``tokens``
     rows go through the layers, ``rows`` through lm_head. Never below the step's FLOP floor or
     its byte floor (the caller takes the larger)."""
-    params = layer_params(model)
-    bytes_per_param = layer_weight_bytes(model) / params
-    down = model.layers[0].down
-    mlp_params = 3 * len(model.layers) * (down if isinstance(down, torch.Tensor)
-                                          else down.weight).numel()  # gate, up, down
 
     def gemm_s(count: int, width: int, rate: float, bytes_each: float) -> float:
         return max(2 * width * count / rate, count * bytes_each / copy_bw)
 
-    mlp = gemm_s(mlp_params, tokens, rates[0], bytes_per_param)
-    beside = gemm_s(params - mlp_params, tokens, rates[0], bytes_per_param)
-    head = gemm_s(model.lm_head.numel(), rows, rates[1], model.lm_head.element_size())
-    resident = min(1.0, l2_bytes * len(model.layers) / (mlp_params * bytes_per_param))
+    mlp = gemm_s(split.mlp_params, tokens, rates[0], split.bytes_per_param)
+    beside = gemm_s(split.params - split.mlp_params, tokens, rates[0], split.bytes_per_param)
+    head = gemm_s(split.head_params, rows, rates[1], split.head_bytes_each)
+    resident = min(1.0, l2_bytes * split.layers / (split.mlp_params * split.bytes_per_param))
     return (1 - resident) * mlp + head + max(kv_bytes / copy_bw, beside + resident * mlp)
 
 
@@ -464,6 +482,7 @@ def workload_floor(llm: LLM, et: dict, rates: tuple[float, float], copy_bw: floa
     rate, head_rate = rates
     kv_token_bytes = (2 * len(model.layers) * model.num_kv_heads * model.head_dim
                       * llm.engine.runner.kv_cache.element_size())
+    split = WeightSplit.of(model)
     total = serial = overlap = 0.0
     for (tokens, ctx), rows in zip(et["step_work"], et["step_rows"], strict=True):
         flop_s = 2 * (params * tokens / rate + head_params * rows / head_rate)
@@ -471,7 +490,7 @@ def workload_floor(llm: LLM, et: dict, rates: tuple[float, float], copy_bw: floa
         floor = max(flop_s, weight_s + kv_s)
         total += floor
         serial += max(flop_s, weight_s) + kv_s
-        overlap += max(floor, overlap_floor_s(model, tokens, rows, kv_token_bytes * ctx, rates,
+        overlap += max(floor, overlap_floor_s(split, tokens, rows, kv_token_bytes * ctx, rates,
                                               copy_bw, l2_bytes))
     return {"floor_s": total, "output_tokens_per_s": et["output_tokens"] / total,
             "fraction": total / et["seconds"], "matmul_flops": rate, "head_flops": head_rate,
@@ -564,8 +583,9 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
         result.update(flop_s=flop_s,
                       serial_s=max(flop_s, weight_bytes / copy_bw) + kv_bytes / copy_bw,
                       overlap_s=max(flop_s, roofline,
-                                    overlap_floor_s(model, batch, batch, kv_bytes, rates,
-                                                    copy_bw, l2_cache_bytes(device))))
+                                    overlap_floor_s(WeightSplit.of(model), batch, batch,
+                                                    kv_bytes, rates, copy_bw,
+                                                    l2_cache_bytes(device))))
     return result
 
 

@@ -43,17 +43,16 @@ from benchmarks.serving import TOPICS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.loader import LoadedModel, build_hf_model, load_model  # noqa: E402
 
-KV_DTYPES = ("auto", "fp8")
-
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def run_engine(args, loaded: LoadedModel, kv_cache_dtype: str, prompts: list[list[int]],
-               paths: list[list[int]], requests, copy_bw: float) -> dict:
+               paths: list[list[int]] | None, requests, copy_bw: float) -> dict:
     """Pool size, decode steps and throughput of one cache dtype, and its greedy token at
-    every position of ``paths`` (``paths`` empty: first the engine's own greedy paths)."""
+    every position of ``paths`` (None: of the engine's own greedy paths, returned as
+    ``"paths"``)."""
     start = time.perf_counter()
     device = torch.device(args.device)
     llm = LLM(model=args.model, device=args.device, dtype="bfloat16", loaded=loaded,
@@ -65,9 +64,9 @@ def run_engine(args, loaded: LoadedModel, kv_cache_dtype: str, prompts: list[lis
                     "init_s": time.perf_counter() - start}
     log(f"{kv_cache_dtype}: {runner.num_blocks} blocks of {runner.bytes_per_block} bytes, "
         f"up in {result['init_s']:.1f}s")
-    if not paths:
+    if paths is None:
         greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-        paths.extend(o.outputs[0].token_ids for o in llm.generate(prompts, greedy))
+        paths = result["paths"] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     forced = [p + path[:j] for p, path in zip(prompts, paths, strict=True)
               for j in range(len(path))]
     next_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -123,9 +122,9 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [rng.integers(0, vocab, size=int(n)).tolist()
                    for n in rng.integers(64, 512, size=args.prompts)]
     requests = make_requests(args.num_requests, vocab, args.seed, (32, 1024), (32, 512))
-    paths: list[list[int]] = []  # the bf16 cache's greedy tokens, filled by its run
-    runs = {kv: run_engine(args, loaded, kv, prompts, paths, requests, copy_bw)
-            for kv in KV_DTYPES}
+    runs = {"auto": run_engine(args, loaded, "auto", prompts, None, requests, copy_bw)}
+    paths = runs["auto"].pop("paths")  # the bf16 cache's greedy tokens
+    runs["fp8"] = run_engine(args, loaded, "fp8", prompts, paths, requests, copy_bw)
 
     log("float32 reference: teacher-forced along the bf16 cache's greedy path")
     weights = {name: t.float() for name, t in loaded.state_dict.items()}
