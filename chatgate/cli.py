@@ -7,9 +7,11 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import typing
 from collections.abc import Sequence
+from types import FrameType
 
 from pydantic import ValidationError
 
@@ -133,11 +135,19 @@ def serve(settings: Settings) -> int:
         access_log=settings.log_level == "debug",
     )
     server = uvicorn.Server(config)
+    # uvicorn shuts down in order on SIGTERM, then raises the signal again for the handler it
+    # found when it started: this one, so that a clean shutdown exits with the status below
+    # instead of dying by the signal
+    signal.signal(signal.SIGTERM, _already_shut_down)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C once it has shut down in order
         pass
     return 0 if server.started and not app.state.engine_failed else 1
+
+
+def _already_shut_down(signum: int, frame: FrameType | None) -> None:
+    """The SIGTERM that uvicorn raises again after its shutdown: nothing is left to do."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

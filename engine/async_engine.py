@@ -16,6 +16,7 @@ calls raise it, and ``on_death`` callbacks run.
 """
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -129,6 +130,7 @@ class AsyncEngine:
         self._sync_context = zmq.Context()
         self._to_engine = self._sync_context.socket(zmq.PUSH)
         self._to_engine.setsockopt(zmq.SNDHWM, 0)
+        self._to_engine.setsockopt(zmq.LINGER, 0)  # what the engine has not taken is moot
         self._to_engine.bind(inbox)
         self._async_context = zmq.asyncio.Context()
         self._from_engine = self._async_context.socket(zmq.PULL)
@@ -171,10 +173,12 @@ class AsyncEngine:
                        asyncio.create_task(self._watch(exited), name="engine-watch")]
 
     async def shutdown(self) -> None:
-        """Stop the engine process (in order; killed if it does not exit in time)."""
+        """Stop the engine process (in order; killed if it does not exit in time) and reap
+        it, whatever its queue holds and whether or not it is still there to be told."""
         self._stopping = True
         if self._proc is not None and self._proc.returncode is None:
-            self._send(Shutdown())
+            with contextlib.suppress(EngineDeadError):  # gone already: nothing to tell
+                self._send(Shutdown())
             await self._stop_process(self._proc.wait())
         for task in self._tasks:
             task.cancel()
@@ -287,7 +291,8 @@ class AsyncEngine:
         finally:
             del self._streams[request_id]
             if not finished and self.dead is None and not self._stopping:
-                self._send(AbortRequests([request_id]))
+                with contextlib.suppress(EngineDeadError):  # a gone engine runs nothing
+                    self._send(AbortRequests([request_id]))
 
     async def unpin_session(self, session_id: str) -> bool:
         """Unpin the session's blocks; False if it had none pinned."""
@@ -306,7 +311,12 @@ class AsyncEngine:
             raise EngineDeadError(self.dead)
 
     def _send(self, message: AddRequest | AbortRequests | UnpinSession | Shutdown) -> None:
-        self._to_engine.send(self._encoder.encode(message), zmq.NOBLOCK, copy=False)
+        """Queue ``message`` for the engine without blocking; ``EngineDeadError`` when no
+        engine process is connected to take it (it has exited, or is exiting)."""
+        try:
+            self._to_engine.send(self._encoder.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineDeadError("the engine process is not connected") from None
 
     async def _read_outputs(self) -> None:
         while True:

@@ -6,9 +6,9 @@ steps it takes every client message that has arrived; after each step it sends o
 ``StepOutputs`` message with every request's new tokens (see ``engine.ipc``).
 
 It exits when told to (``Shutdown``), and by itself when its parent process is gone (the read
-end of a pipe whose write end only the parent holds becomes readable at EOF). SIGINT is
-ignored: a Ctrl-C reaches the whole process group, and the gateway shuts the engine down in
-order.
+end of a pipe whose write end only the parent holds becomes readable at EOF). SIGINT and
+SIGTERM are ignored: a Ctrl-C reaches the whole process group, a supervisor may signal the
+whole group (systemd's control-group kill), and the gateway shuts the engine down in order.
 """
 
 import argparse
@@ -175,7 +175,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     context = zmq.Context()

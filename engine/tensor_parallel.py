@@ -133,16 +133,14 @@ class TensorParallel:
 
     def shutdown(self) -> None:
         """Rank 0: end the workers (they hold no state of their own; a signal, not a
-        collective, so a dead or stuck rank cannot make it hang) and leave the group (safe to
-        call twice)."""
+        collective, so a dead or stuck rank cannot make it hang; SIGKILL, since they ignore
+        SIGTERM as the engine process does) and leave the group (safe to call twice)."""
         if not dist.is_initialized():
             return
         for proc in self.workers:
-            proc.terminate()
+            proc.kill()
         for proc in self.workers:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+            proc.join()
         dist.destroy_process_group()
 
 
