@@ -25,8 +25,9 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.routing import BaseRoute, Match, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
+from starlette.types import Scope
 
 from chatgate import completions_api, openai_api, sessions_api
 from chatgate.errors import APIError, api_error_handler
@@ -154,17 +155,32 @@ def create_app(settings: Settings | None = None) -> Starlette:
     return app
 
 
-def _routes() -> list[Any]:
-    """The API routes, then the browser UI mounted at ``/`` (last: API routes win)."""
-    return [
+class _UIMount(Mount):
+    """The browser UI at ``/``, for every path that no API route serves. A path an API route
+    serves with other methods is left to the router, which answers 405 with ``Allow``
+    (Starlette's router takes a method mismatch only when no route matches fully)."""
+
+    def __init__(self, api_routes: list[BaseRoute]) -> None:
+        super().__init__("/", app=StaticFiles(directory=static_dir(), html=True), name="ui")
+        self.api_routes = api_routes
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if any(route.matches(scope)[0] is not Match.NONE for route in self.api_routes):
+            return Match.NONE, {}
+        return super().matches(scope)
+
+
+def _routes() -> list[BaseRoute]:
+    """The API routes, then the browser UI."""
+    api: list[BaseRoute] = [
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *openai_api.routes,
         *completions_api.routes,
         *sessions_api.routes,
         WebSocketRoute("/v1/ws", ws_endpoint),
-        Mount("/", app=StaticFiles(directory=static_dir(), html=True), name="ui"),
     ]
+    return [*api, _UIMount(api)]
 
 
 def _middleware(settings: Settings) -> list[Middleware]:

@@ -2,9 +2,9 @@
 
 Strict JSON (no NaN, no trailing data), valid Unicode (malformed UTF-8 and lone UTF-16
 surrogates such as ``"\\ud800"`` are refused, not replaced: the tokenizer cannot encode them),
-and at most ``MAX_JSON_DEPTH`` levels of nested objects and arrays. Every refusal is a 400
-``APIError`` with its own code; the size limit is enforced before parsing (``middleware`` for
-HTTP, the frame limit for WebSocket).
+at most ``MAX_JSON_DEPTH`` levels of nested objects and arrays, and no number beyond a double's
+range (``1e400``). Every refusal is a 400 ``APIError`` with its own code; the size limit is
+enforced before parsing (``middleware`` for HTTP, the frame limit for WebSocket).
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ def parse_json(data: bytes | str) -> Any:
         value = _decode(data)
     except RecursionError:
         raise too_deep() from None
+    except msgspec.ValidationError:  # valid JSON holding a number no double can hold
+        raise APIError(400, "A number in the JSON is beyond a double's range.",
+                       code="invalid_value") from None
     except msgspec.DecodeError as e:
         raise _diagnose(data, e) from None
     if _nested_deeper_than(value, MAX_JSON_DEPTH):

@@ -55,8 +55,8 @@ async def completions(request: Request) -> Response:
             raise APIError(400, "A prompt must not be empty.", param="prompt",
                            code="invalid_value")
         turn = Turn(gw, tenant, [], session_id=None, transport="http")
-        await turn.prepare(prompt_ids=ids, max_tokens=req.max_tokens, clamp_max_tokens=False,
-                           n=req.n, **req.sampling())
+        await turn.prepare(prompt_ids=ids, max_tokens=req.max_tokens, n=req.n,
+                           **req.sampling())
         turns.append(turn)
     request.state.turn_stats = [turn.stats for turn in turns]  # for the access log line
     started: list[Turn] = []

@@ -60,8 +60,10 @@ class APIError(Exception):
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the offending parameter."""
-    err = exc.errors(include_url=False)[0]
+    """The most specific pydantic error (the first of those located deepest: for a union,
+    the branch that came closest) as a 400 naming the offending parameter."""
+    errors = exc.errors(include_url=False)
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
     # Drop pydantic's union-branch tags (e.g. "str", "list[...]") from the location.
     loc = [p for p in loc if not (p.startswith(("list[", "function-")) or p in ("str", "int"))]

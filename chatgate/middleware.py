@@ -4,9 +4,12 @@
   ``origin_not_allowed``) unless it is same-origin (its host equals ``Host``: the UI this
   gateway serves) or on the ``--allowed-origins`` list (``*``: any). Without the header (a
   non-browser client) it passes. So a page on another site cannot drive a local gateway.
-- **Content type**: ``POST``/``PUT``/``PATCH``/``DELETE`` need ``Content-Type:
-  application/json`` (415, ``unsupported_media_type``): a cross-site form or a "simple"
-  ``text/plain`` fetch cannot send it without a CORS preflight.
+- **Content type**: a request that carries a body (a ``Content-Length`` above 0 or a
+  ``Transfer-Encoding``) needs ``Content-Type: application/json`` (415,
+  ``unsupported_media_type``): a cross-site form or a "simple" ``text/plain`` fetch cannot send
+  it without a CORS preflight. A body-less request (a ``DELETE`` as curl and the SDKs send it)
+  needs none: it carries nothing a cross-site page could forge, and a cross-site ``DELETE`` is
+  preflighted anyway.
 - **Body**: at most ``max_bytes`` (413, ``request_too_large``), all of it within
   ``body_timeout`` seconds (408, ``request_timeout``: a client trickling its body).
 - **Slow readers**: a response chunk that the client has not taken within ``send_timeout``
@@ -30,8 +33,6 @@ from chatgate.errors import APIError
 from chatgate.turn import TurnStats
 
 log = logging.getLogger("chatgate")
-
-_WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 class _BodyRefused(Exception):
@@ -62,6 +63,15 @@ def origin_allowed(headers: Headers, allowed: list[str]) -> bool:
 def is_json_content_type(value: str | None) -> bool:
     """``application/json``, with parameters (``; charset=utf-8``) allowed."""
     return value is not None and value.split(";", 1)[0].strip().lower() == "application/json"
+
+
+def has_body(headers: Headers) -> bool:
+    """Whether the request carries a body: a ``Content-Length`` other than 0, or a
+    ``Transfer-Encoding`` (chunked)."""
+    if "transfer-encoding" in headers:
+        return True
+    length = headers.get("content-length", "0").strip()
+    return not (length.isdigit() and int(length) == 0)
 
 
 def too_large_error(max_bytes: int) -> APIError:
@@ -106,9 +116,9 @@ class RequestGuard:
         await self._guarded_http(scope, receive, send)
 
     def _check_http(self, method: str, headers: Headers) -> APIError | None:
-        if method in _WRITE_METHODS and not is_json_content_type(headers.get("content-type")):
-            return APIError(415, f"{method} requests must have Content-Type: application/json "
-                            f"(got {headers.get('content-type')!r}).",
+        if has_body(headers) and not is_json_content_type(headers.get("content-type")):
+            return APIError(415, f"A {method} request with a body must have Content-Type: "
+                            f"application/json (got {headers.get('content-type')!r}).",
                             code="unsupported_media_type")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:

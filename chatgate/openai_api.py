@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 import msgspec
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from chatgate.auth import authenticate
 from chatgate.body import parse_json
@@ -178,8 +178,8 @@ async def chat_completions(request: Request) -> Response:
     parser = req.call_parser()
     if parser is not None and parser.forced:
         sampling["structured"] = parser.grammar()
-    await turn.prepare(max_tokens=req.requested_max_tokens(), clamp_max_tokens=False,
-                       n=req.n, logprobs=top_n if req.logprobs else None, **sampling)
+    await turn.prepare(max_tokens=req.requested_max_tokens(), n=req.n,
+                       logprobs=top_n if req.logprobs else None, **sampling)
     await turn.start()
     completion = _Completion(gw, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
                              _Logprobs(gw.engine.tokenizer, top_n) if req.logprobs else None,
@@ -213,6 +213,12 @@ class TurnStreamingResponse(StreamingResponse):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                          background=BackgroundTask(release_all))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # the client went away: not a fault of the server
+            log.debug("%s %s: the client went away mid-stream", scope["method"], scope["path"])
 
     async def stream_response(self, send: Send) -> None:
         try:

@@ -4,7 +4,7 @@ extensions. Validation errors become 400s naming the parameter."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -20,6 +20,10 @@ from chatgate.tools import NamedToolChoice, ToolCall, ToolChoice, ToolDefinition
 from engine.structured import StructuredOutput
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
+
+# Every integer of a request is a signed 64-bit one (what the engine's IPC carries); fields with
+# a narrower range say so where they are declared.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class TextPart(BaseModel):
@@ -126,15 +130,15 @@ class SamplingFields(BaseModel):
     :meth:`sampling` gives them to ``Turn.prepare``."""
 
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: Int64 | None = Field(default=None, ge=-1)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    logit_bias: dict[int, float] | None = None
-    min_tokens: int | None = Field(default=None, ge=0)
+    logit_bias: dict[Int64, float] | None = None
+    min_tokens: Int64 | None = Field(default=None, ge=0)
     ignore_eos: StrictBool | None = False
     response_format: ResponseFormat | None = None
 
@@ -183,8 +187,8 @@ class ChatCompletionRequest(SamplingFields):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=1, ge=1, le=16)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int64 | None = Field(default=None, ge=1)
+    max_completion_tokens: Int64 | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     user: str | None = None
@@ -273,12 +277,12 @@ class CompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     model: str
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    prompt: str | list[Int64] | list[str] | list[list[Int64]] = Field(min_length=1)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=1, ge=1, le=16)
     best_of: int | None = Field(default=None, ge=1, le=16)
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: Int64 | None = Field(default=16, ge=1)
     echo: StrictBool | None = False
     suffix: str | None = None
     logprobs: int | None = None
@@ -308,7 +312,7 @@ class WSParams(SamplingFields):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int64 | None = Field(default=None, ge=1)
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

@@ -24,17 +24,20 @@ from engine import AsyncEngine, SamplingParams
 log = logging.getLogger("chatgate")
 
 
-def context_error(prompt_len: int, max_model_len: int, max_tokens: int | None = None) -> APIError:
+def context_error(prompt_len: int, max_model_len: int, max_tokens: int | None = None, *,
+                  field: str = "messages") -> APIError:
+    """The 400 for a prompt (``field``: ``messages`` or ``prompt``) that, alone or with the
+    ``max_tokens`` asked for, does not fit the context window."""
     if max_tokens is None:
         msg = (f"This model's maximum context length is {max_model_len} tokens. However, your "
-               f"messages resulted in {prompt_len} tokens. Please reduce the length of the "
-               f"messages (max_model_len={max_model_len}).")
+               f"{field} resulted in {prompt_len} tokens. Please reduce the length of the "
+               f"{field} (max_model_len={max_model_len}).")
     else:
         msg = (f"This model's maximum context length is {max_model_len} tokens. However, you "
-               f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
-               f"{max_tokens} in the completion). Please reduce the length of the messages or "
+               f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {field}, "
+               f"{max_tokens} in the completion). Please reduce the length of the {field} or "
                f"completion (max_model_len={max_model_len}).")
-    return APIError(400, msg, param="messages", code="context_length_exceeded")
+    return APIError(400, msg, param=field, code="context_length_exceeded")
 
 
 def engine_unavailable(reason: str) -> APIError:
@@ -109,18 +112,20 @@ class Gateway:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def check_prompt(self, prompt_ids: list[int], max_tokens: int | None, *, clamp: bool) -> int:
-        """Validate the prompt length; return the max_tokens to use."""
+    def check_prompt(self, prompt_ids: list[int], max_tokens: int | None,
+                     field: str = "messages") -> int:
+        """The ``max_tokens`` a turn runs with: as asked, or all the room the prompt leaves in
+        the context window when not asked. A prompt that leaves no room, or a ``max_tokens``
+        beyond the room, is a 400 ``context_length_exceeded`` naming ``field`` (one rule
+        for HTTP and WebSocket, as OpenAI's API and vLLM refuse)."""
         n, limit = len(prompt_ids), self.max_model_len
         if n >= limit:
-            raise context_error(n, limit)
+            raise context_error(n, limit, field=field)
         room = limit - n
         if max_tokens is None:
             return room
         if max_tokens > room:
-            if clamp:
-                return room
-            raise context_error(n, limit, max_tokens)
+            raise context_error(n, limit, max_tokens, field=field)
         return max_tokens
 
     # ----------------------------------------------------------------- sessions

@@ -54,8 +54,14 @@ async def delete_session(request: Request) -> Response:
     return JSONResponse({"id": sid, "deleted": True})
 
 
+async def session(request: Request) -> Response:
+    """``/v1/sessions/{id}``: one route for both methods, so a wrong one is a 405 naming both."""
+    if request.method == "DELETE":
+        return await delete_session(request)
+    return await get_session(request)
+
+
 routes = [
     Route("/v1/sessions", list_sessions, methods=["GET"]),
-    Route("/v1/sessions/{session_id}", get_session, methods=["GET"]),
-    Route("/v1/sessions/{session_id}", delete_session, methods=["DELETE"]),
+    Route("/v1/sessions/{session_id}", session, methods=["GET", "DELETE"]),
 ]

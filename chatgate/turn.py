@@ -11,6 +11,7 @@ lock, exactly once. Every failure is an ``APIError``, so the handlers only encod
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +22,8 @@ from chatgate.errors import APIError
 from chatgate.service import Gateway, engine_unavailable
 from chatgate.tenants import Tenant
 from engine import EngineDeadError, EngineStepError, RequestOutput, SamplingParams
+
+log = logging.getLogger("chatgate")
 
 STORE_TIMEOUT_S = 5.0
 
@@ -62,8 +65,14 @@ def sampling_params(defaults: dict[str, Any], **kwargs: Any) -> SamplingParams:
     try:
         return SamplingParams(**kw)
     except ValueError as e:
-        param = str(e).split(" ", 1)[0] if str(e) else None
-        raise APIError(400, str(e), param=param, code="invalid_value") from None
+        raise invalid_value(e) from None
+
+
+def invalid_value(error: ValueError) -> APIError:
+    """The 400 for an engine ``ValueError``, whose message starts with the parameter's name."""
+    message = str(error)
+    return APIError(400, message, param=message.split(" ", 1)[0] if message else None,
+                    code="invalid_value")
 
 
 def split_history(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
@@ -101,29 +110,32 @@ class Turn:
         self._answer: list[str] = []  # the text of sample 0 so far, in pieces
         self.prompt_ids: list[int] = []
         self.params: SamplingParams | None = None
+        self.stored: list[dict[str, Any]] | None = None  # the history this turn stored
         self._holds = False  # the tenant's stream slot and the session lock
 
-    async def prepare(self, *, max_tokens: int | None, clamp_max_tokens: bool,
-                      prompt_ids: list[int] | None = None, **sampling: Any) -> None:
-        """Render the messages (or take ``prompt_ids`` as given: a text completion), check
-        and build the sampling params (400 on bad input); holds nothing.
-        ``clamp_max_tokens``: cut ``max_tokens`` to the room left instead of refusing it."""
+    async def prepare(self, *, max_tokens: int | None, prompt_ids: list[int] | None = None,
+                      **sampling: Any) -> None:
+        """Render the messages (or take ``prompt_ids`` as given: a text completion, whose
+        errors name ``prompt``), check and build the sampling params (400 on bad input);
+        holds nothing."""
         if prompt_ids is not None:
             self.prompt_ids = prompt_ids
+            field = "prompt"
         else:
+            field = "messages"
             try:
                 self.prompt_ids = await self.gw.engine.render_chat(
                     self.messages, self.engine_session_id, self.tools)
             except ValueError as e:
-                raise APIError(400, str(e), param="messages", code="invalid_value") from None
-        max_tokens = self.gw.check_prompt(self.prompt_ids, max_tokens, clamp=clamp_max_tokens)
+                raise APIError(400, str(e), param=field, code="invalid_value") from None
+        max_tokens = self.gw.check_prompt(self.prompt_ids, max_tokens, field)
         self.params = sampling_params(self.gw.sampling_defaults, max_tokens=max_tokens,
                                       **sampling)
         assert self.gw.engine.info is not None
         try:  # what the engine would refuse, refused before anything is streamed
             self.gw.engine.info.validate(self.prompt_ids, self.params)
         except ValueError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
+            raise invalid_value(e) from None
 
     async def start(self) -> None:
         """Admit the turn under the tenant's limits (429) and lock its session (409); a session
@@ -165,30 +177,47 @@ class Turn:
         if self.engine_session_id is not None:
             self.gw.unlock_session(self.engine_session_id)
 
-    async def store(self) -> None:
-        """Save the conversation and this turn's answer (sample 0, so far) as the session's
-        history; 503 if the store fails."""
+    async def store(self, cut: bool = False) -> None:
+        """Save the conversation and this turn's answer (sample 0, so far; ``cut``: marked
+        ``"cut": true``) as the session's history, in one write, and keep it in
+        ``self.stored``; 503 if the store fails."""
         assert self.session_id is not None
         system, history = split_history(self.messages)
-        history.append({"role": "assistant", "content": self.answer})
+        answer: dict[str, Any] = {"role": "assistant", "content": self.answer}
+        if cut:
+            answer["cut"] = True
+        history.append(answer)
         try:
             await asyncio.wait_for(
                 self.gw.store.replace(self.tenant.id, self.session_id, system, history),
                 STORE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - any store failure is a 503
             raise store_unavailable(e) from None
+        self.stored = history
+
+    async def _store_cut(self) -> None:
+        """A session turn its consumer left (cancel, client gone) keeps its user message
+        with the answer so far, marked cut; one cut before any text keeps neither."""
+        if self.session_id is None or not self.answer:
+            return
+        try:
+            await self.store(cut=True)
+        except APIError as e:
+            log.warning("the cut turn of session %s was not stored: %s", self.session_id,
+                        e.message)
 
     async def stream(self) -> AsyncIterator[RequestOutput]:
         """The engine's delta outputs (merged while the caller is behind). A session turn is
         stored before the last output is yielded, so whatever the caller sends after it is
-        true; if storing fails, a 503 ``APIError`` comes instead. Leaving early aborts the
-        engine request at once."""
+        true; if storing fails, a 503 ``APIError`` comes instead. Leaving early (closing the
+        iterator, or cancelling its task) aborts the engine request at once and stores the
+        turn as cut (:meth:`_store_cut`)."""
         assert self.params is not None, "Turn.prepare() was not called"
         gw, stats = self.gw, self.stats
         metrics, transport = gw.metrics, self.transport
         stats.prompt_tokens = len(self.prompt_ids)
         finish_reasons: set[str] = set()
-        first, finished = True, False
+        first, finished, cut = True, False, False
         last_token_at = 0.0
         metrics.stream_started(transport)
         outputs = gw.engine.generate(self.prompt_ids, self.params,
@@ -229,6 +258,9 @@ class Turn:
                            code="engine_error") from None
         except EngineDeadError as e:
             raise engine_unavailable(str(e)) from None
+        except (GeneratorExit, asyncio.CancelledError):
+            cut = not finished
+            raise
         finally:
             await outputs.aclose()  # aborts the engine request if it has not finished
             stats.ended = time.perf_counter()
@@ -239,3 +271,5 @@ class Turn:
                 metrics.observe_finish({"abort"}, None)
             if self.engine_session_id is not None:
                 gw.touch_session(self.engine_session_id)
+            if cut:
+                await self._store_cut()

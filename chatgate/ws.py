@@ -95,8 +95,8 @@ class WSConnection:
                     continue
                 if not await self.handle(event):
                     break
-        except WebSocketDisconnect:
-            pass
+        except WebSocketDisconnect:  # the client went away: not a fault of the server
+            log.debug("websocket client went away")
         finally:
             await self.cancel_generation()
 
@@ -141,6 +141,8 @@ class WSConnection:
             if "Retry-After" in e.headers:
                 extra["retry_after"] = int(e.headers["Retry-After"])
             await self.error(e.code or "error", e.message, **extra)
+        except WebSocketDisconnect:  # the client is gone: the connection ends, quietly
+            raise
         except Exception as e:  # noqa: BLE001 - keep the socket open
             if is_store_error(e):
                 log.warning("session store error on websocket %s: %s", etype, e)
@@ -211,14 +213,6 @@ class WSConnection:
             raise APIError(400, "'content' must be a non-empty string.", code="invalid_params")
         user = {"role": "user", "content": content}
         turn = await self._start_turn(self.session.chat_messages() + [user], event)
-        assert self.tenant is not None
-        try:  # the user's message is kept even if no answer comes
-            await self.gw.store.append(self.tenant.id, self.session.id, [user])
-        except BaseException:
-            turn.release()
-            raise
-        self.session.messages.append(user)
-        self.session.num_messages += 1
         self.task = asyncio.create_task(self._generate(turn, "message"))
 
     async def on_regenerate(self, event: dict[str, Any]) -> None:
@@ -234,13 +228,6 @@ class WSConnection:
                            code="invalid_params")
         head = [{"role": "system", "content": self.session.system}] if self.session.system else []
         turn = await self._start_turn(head + msgs, event)
-        assert self.tenant is not None
-        try:
-            self.session = await self.gw.store.replace(self.tenant.id, self.session.id,
-                                                       self.session.system, msgs)
-        except BaseException:
-            turn.release()
-            raise
         self.task = asyncio.create_task(self._generate(turn, "regenerate"))
 
     def log_turn(self, event_type: str, outcome: str, seconds: float,
@@ -255,19 +242,21 @@ class WSConnection:
         assert self.tenant is not None and self.session is not None
         p = self._params(event)
         turn = Turn(self.gw, self.tenant, messages, session_id=self.session.id, transport="ws")
-        await turn.prepare(max_tokens=p.max_tokens, clamp_max_tokens=True, **p.sampling())
+        await turn.prepare(max_tokens=p.max_tokens, **p.sampling())
         await turn.start()
         return turn
 
     async def _generate(self, turn: Turn, event_type: str) -> None:
-        """Stream the answer as ``delta`` events, then ``done`` once the turn is stored. A
-        cancelled answer keeps its partial text (stored, then ``done`` "cancelled")."""
+        """Stream the answer as ``delta`` events, then ``done`` once the turn is stored. The
+        turn stores the user message and its answer together (``Turn.stream``): a cancelled
+        answer or one cut by the client leaving keeps its partial text, marked cut (then
+        ``done`` "cancelled")."""
         assert self.session is not None
         session = self.session
         finish = "cancelled"
         error: APIError | None = None
         try:
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 async with contextlib.aclosing(turn.stream()) as outputs:
                     async for out in outputs:
                         c = out.outputs[0]
@@ -275,12 +264,8 @@ class WSConnection:
                             await self.send({"type": "delta", "text": c.text})
                         if c.finish_reason in ("stop", "length"):
                             finish = c.finish_reason
-            except asyncio.CancelledError:
-                if turn.answer:
-                    await turn.store()
-            if turn.answer:
-                session.messages.append({"role": "assistant", "content": turn.answer})
-                session.num_messages += 1
+        except WebSocketDisconnect:
+            log.debug("websocket client went away during a turn")
         except APIError as e:
             error = e
         except Exception as e:  # noqa: BLE001 - reported as an event; the socket stays open
@@ -288,6 +273,9 @@ class WSConnection:
             error = APIError(500, f"{type(e).__name__}: {e}", code="internal_error")
         finally:
             turn.release()
+            if turn.stored is not None:
+                session.messages = turn.stored
+                session.num_messages = len(turn.stored)
             stats = turn.stats
             outcome = finish if error is None else error.code or "error"
             self.log_turn(event_type, outcome, (stats.ended or time.perf_counter())

@@ -191,5 +191,5 @@ def redis_delete_prefix(prefix: str) -> None:
 
 
 def auth(tenant: str) -> dict[str, str]:
-    """The tenant's key, and the JSON content type that every POST and DELETE needs."""
+    """The tenant's key, and the JSON content type that every request with a body needs."""
     return {"Authorization": f"Bearer {KEYS[tenant]}", "Content-Type": "application/json"}

@@ -244,3 +244,55 @@ async def test_websocket_wrong_key_is_refused(server):
         await ws.send(json.dumps({"type": "auth", "api_key": "sk-nope"}))
         ev = await _next(ws)
         assert ev["code"] == "unauthorized"
+
+
+@pytest.mark.parametrize("method,path,allow", [
+    ("GET", "/v1/chat/completions", "POST"),
+    ("PUT", "/v1/chat/completions", "POST"),
+    ("GET", "/v1/completions", "POST"),
+    ("POST", "/v1/models", "GET, HEAD"),
+    ("DELETE", "/v1/sessions", "GET, HEAD"),
+    ("PUT", "/v1/sessions/abc", "GET, HEAD, DELETE"),
+    ("POST", "/healthz", "GET, HEAD"),
+])
+def test_a_wrong_method_is_405_naming_the_allowed_ones(server, method, path, allow):
+    r = httpx.request(method, server.url + path, headers=auth("alice"), timeout=30)
+    err = assert_error(r, 405)
+    assert err["type"] == "invalid_request_error"
+    assert set(r.headers["allow"].split(", ")) == set(allow.split(", "))
+
+
+def test_completions_errors_name_the_prompt(server):
+    url = server.url + "/v1/completions"
+    long = {"model": MODEL, "prompt": "hello " * (MAX_MODEL_LEN + 50)}
+    err = assert_error(httpx.post(url, json=long, headers=auth("alice"), timeout=60), 400,
+                       param="prompt")
+    assert err["code"] == "context_length_exceeded" and "messages" not in err["message"]
+    too_many = {"model": MODEL, "prompt": "hello", "max_tokens": MAX_MODEL_LEN}
+    err = assert_error(httpx.post(url, json=too_many, headers=auth("alice"), timeout=60), 400,
+                       param="prompt")
+    assert err["code"] == "context_length_exceeded" and "messages" not in err["message"]
+    bad_id = {"model": MODEL, "prompt": [1, 10**9]}
+    assert_error(httpx.post(url, json=bad_id, headers=auth("alice"), timeout=60), 400,
+                 param="prompt")
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63)])
+def test_seeds_at_the_ends_of_the_signed_64_bit_range_are_served(server, seed):
+    r = post(server, {"model": MODEL, "messages": OK_MESSAGES, "max_tokens": 2,
+                      "temperature": 1.0, "seed": seed})
+    assert r.status_code == 200, r.text
+
+
+async def test_http_and_websocket_refuse_the_same_oversized_max_tokens(server):
+    mid = "hello " * (MAX_MODEL_LEN // 2)
+    http = assert_error(post(server, {"model": MODEL, "max_tokens": MAX_MODEL_LEN,
+                                      "messages": [{"role": "user", "content": mid}]}), 400)
+    async with await _ws(server) as ws:
+        await ws.send(json.dumps({"type": "session.create"}))
+        assert (await _next(ws))["type"] == "session"
+        await ws.send(json.dumps({"type": "message", "content": mid,
+                                  "params": {"max_tokens": MAX_MODEL_LEN}}))
+        ev = await _next(ws)
+    assert ev["type"] == "error" and ev["code"] == http["code"] == "context_length_exceeded"
+    assert ev["message"] == http["message"]

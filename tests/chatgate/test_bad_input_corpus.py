@@ -31,6 +31,11 @@ def with_(**changes: Any) -> dict:
     return {k: v for k, v in body.items() if v is not None}
 
 
+def completion(**changes: Any) -> dict:
+    """A good ``/v1/completions`` body with fields replaced."""
+    return {"model": MODEL, "prompt": "Hi", "max_tokens": 1, **changes}
+
+
 def message(content: Any, role: str = "user") -> dict:
     return with_(messages=[{"role": role, "content": content}])
 
@@ -57,6 +62,8 @@ def chunks(total: int) -> Callable[[], Any]:
 
 
 BIG = MAX_REQUEST_BYTES + 1
+HUGE = 2**70  # beyond the 64 bits that cross the engine's IPC
+INT64_MAX = 2**63 - 1
 HTTP_CASES = [
     # the body's JSON
     HTTPCase("truncated json", 400, "invalid_json", raw=b'{"model": "smollm2", "messages": ['),
@@ -81,6 +88,8 @@ HTTP_CASES = [
     HTTPCase("utf-8 encoded surrogate", 400, "invalid_unicode",
              raw=b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}'),
     HTTPCase("utf-16 body", 400, "invalid_unicode", raw=json.dumps(GOOD).encode("utf-16")),
+    HTTPCase("number beyond a double", 400, "invalid_value",
+             raw=json.dumps(GOOD).replace('"max_tokens": 1', '"temperature": 1e400').encode()),
     HTTPCase("nested 10000 deep", 400, "json_too_deep", raw=deep(10000).encode()),
     HTTPCase("nested 33 deep in content", 400, "json_too_deep",
              raw=json.dumps(message("x")).replace('"x"', deep(33)).encode()),
@@ -122,14 +131,23 @@ HTTP_CASES = [
              headers={"Authorization": "Basic YWxpY2U6eA==", **JSON_TYPE}),
     HTTPCase("unknown model", 404, "model_not_found", body=with_(model="gpt-9")),
     HTTPCase("unknown path", 404, None, method="GET", path="/v1/nothing-here"),
-    HTTPCase("GET on completions", 404, None, method="GET", headers=KEY),
-    HTTPCase("PUT on completions", 405, None, method="PUT", body=GOOD),
+    HTTPCase("GET on chat completions", 405, None, method="GET", headers=KEY),
+    HTTPCase("PUT on chat completions", 405, None, method="PUT", body=GOOD),
+    HTTPCase("GET on text completions", 405, None, method="GET", path="/v1/completions",
+             headers=KEY),
+    HTTPCase("POST on models", 405, None, path="/v1/models", body=GOOD),
+    HTTPCase("PUT on a session", 405, None, method="PUT", path="/v1/sessions/abc", body=GOOD),
     HTTPCase("unknown session", 404, "session_not_found", method="GET",
              path="/v1/sessions/no-such-session", headers=KEY),
     HTTPCase("delete unknown session", 404, "session_not_found", method="DELETE",
              path="/v1/sessions/no-such-session"),
-    HTTPCase("delete without content type", 415, "unsupported_media_type", method="DELETE",
-             path="/v1/sessions/no-such-session", headers=KEY),
+    HTTPCase("body-less delete without content type", 404, "session_not_found",
+             method="DELETE", path="/v1/sessions/no-such-session", headers=KEY),
+    HTTPCase("delete with a text/plain body", 415, "unsupported_media_type", method="DELETE",
+             path="/v1/sessions/no-such-session", raw=b"{}",
+             headers={**KEY, "Content-Type": "text/plain"}),
+    HTTPCase("foreign origin on body-less DELETE", 403, "origin_not_allowed", method="DELETE",
+             path="/v1/sessions/abc", headers={**KEY, "Origin": "http://evil.example"}),
     HTTPCase("session id with a slash", 404, None, method="GET",
              path="/v1/sessions/a%2Fb", headers=KEY),
     # the request's fields
@@ -161,6 +179,39 @@ HTTP_CASES = [
     HTTPCase("stop is a number", 400, "invalid_value", body=with_(stop=5)),
     HTTPCase("stop list of numbers", 400, "invalid_value", body=with_(stop=[1, 2])),
     HTTPCase("seed as text", 400, "invalid_value", body=with_(seed="abc")),
+    # integers beyond signed 64 bits (what crosses the engine's IPC)
+    HTTPCase("seed above 64 bits", 400, "invalid_value", body=with_(seed=HUGE)),
+    HTTPCase("seed below 64 bits", 400, "invalid_value", body=with_(seed=-HUGE)),
+    HTTPCase("seed one above int64", 400, "invalid_value", body=with_(seed=INT64_MAX + 1)),
+    HTTPCase("seed one below int64", 400, "invalid_value", body=with_(seed=-INT64_MAX - 2)),
+    HTTPCase("top_k above 64 bits", 400, "invalid_value", body=with_(top_k=HUGE)),
+    HTTPCase("min_tokens above 64 bits", 400, "invalid_value", body=with_(min_tokens=HUGE)),
+    HTTPCase("max_tokens above 64 bits", 400, "invalid_value", body=with_(max_tokens=HUGE)),
+    HTTPCase("max_completion_tokens above 64 bits", 400, "invalid_value",
+             body=with_(max_completion_tokens=HUGE)),
+    HTTPCase("n above 64 bits", 400, "invalid_value", body=with_(n=HUGE)),
+    HTTPCase("top_logprobs above 64 bits", 400, "invalid_value",
+             body=with_(logprobs=True, top_logprobs=HUGE)),
+    HTTPCase("logit_bias key above 64 bits", 400, "invalid_value",
+             body=with_(logit_bias={str(HUGE): 1})),
+    HTTPCase("logit_bias key below 64 bits", 400, "invalid_value",
+             body=with_(logit_bias={str(-HUGE): 1})),
+    HTTPCase("logit_bias value above 64 bits", 400, "invalid_value",
+             body=with_(logit_bias={"1": HUGE})),
+    HTTPCase("completion token id above 64 bits", 400, "invalid_value",
+             path="/v1/completions", body=completion(prompt=[1, HUGE])),
+    HTTPCase("completion token id below 64 bits", 400, "invalid_value",
+             path="/v1/completions", body=completion(prompt=[[1], [-HUGE]])),
+    HTTPCase("completion token id beyond the vocabulary", 400, "invalid_value",
+             path="/v1/completions", body=completion(prompt=[INT64_MAX])),
+    HTTPCase("completion seed above 64 bits", 400, "invalid_value",
+             path="/v1/completions", body=completion(seed=HUGE)),
+    HTTPCase("completion max_tokens above 64 bits", 400, "invalid_value",
+             path="/v1/completions", body=completion(max_tokens=HUGE)),
+    HTTPCase("completion best_of above 64 bits", 400, "invalid_value",
+             path="/v1/completions", body=completion(best_of=HUGE)),
+    HTTPCase("completion logprobs above 64 bits", 400, "unsupported_parameter",
+             path="/v1/completions", body=completion(logprobs=HUGE)),
     HTTPCase("top_logprobs over 20", 400, "invalid_value",
              body=with_(logprobs=True, top_logprobs=50)),
     HTTPCase("stream as text", 400, "invalid_value", body=with_(stream="yes")),
@@ -240,6 +291,17 @@ WS_CASES = [
     WSCase("temperature above 2", ws_message("hi", temperature=3), "invalid_params"),
     WSCase("top_p 0", ws_message("hi", top_p=0), "invalid_params"),
     WSCase("max_tokens 0", ws_message("hi", max_tokens=0), "invalid_params"),
+    WSCase("max_tokens beyond the context", ws_message("hi", max_tokens=MAX_MODEL_LEN * 4),
+           "context_length_exceeded"),
+    WSCase("max_tokens above 64 bits", ws_message("hi", max_tokens=HUGE), "invalid_params"),
+    WSCase("seed above 64 bits", ws_message("hi", seed=HUGE), "invalid_params"),
+    WSCase("seed below 64 bits", ws_message("hi", seed=-HUGE), "invalid_params"),
+    WSCase("top_k above 64 bits", ws_message("hi", top_k=HUGE), "invalid_params"),
+    WSCase("min_tokens above 64 bits", ws_message("hi", min_tokens=HUGE), "invalid_params"),
+    WSCase("logit_bias key above 64 bits", ws_message("hi", logit_bias={str(HUGE): 1}),
+           "invalid_params"),
+    WSCase("logit_bias value above 64 bits", ws_message("hi", logit_bias={"1": HUGE}),
+           "invalid_params"),
     WSCase("unknown param", ws_message("hi", bogus=1), "invalid_params"),
     WSCase("too many stops", ws_message("hi", stop=["a", "b", "c", "d", "e"]),
            "invalid_params"),

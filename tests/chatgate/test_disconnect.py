@@ -130,3 +130,97 @@ async def test_a_non_streaming_client_that_leaves_aborts_too(server):
             await task
     await _wait_running(server, at_most=0, timeout=1.0)
     server.assert_no_leak()
+
+
+def _log_since(server, offset: int) -> str:
+    with open(server.log_path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+async def _stored_messages(server, sid: str, count: int) -> list[dict]:
+    """The session's stored messages once there are ``count`` (the store is written as the
+    server sees the disconnect)."""
+    deadline = time.monotonic() + 30
+    while True:
+        r = await asyncio.to_thread(httpx.get, f"{server.url}/v1/sessions/{sid}",
+                                    headers=auth("alice"))
+        messages = r.json().get("messages", []) if r.status_code == 200 else []
+        if len(messages) >= count or time.monotonic() > deadline:
+            return messages
+        await asyncio.sleep(0.05)
+
+
+async def test_a_websocket_turn_cut_by_a_disconnect_is_stored_as_a_pair(server):
+    import websockets
+
+    ws = await websockets.connect(server.ws_url,
+                                  subprotocols=["chatgate", f"bearer.{KEYS['alice']}"])
+    await ws.send(json.dumps({"type": "session.create"}))
+    sid = json.loads(await ws.recv())["id"]
+    await ws.send(json.dumps({"type": "message", "content": "Write a long essay.",
+                              "params": {"max_tokens": 500, "ignore_eos": True}}))
+    text = ""
+    while len(text) < 20:
+        ev = json.loads(await ws.recv())
+        assert ev["type"] == "delta", ev
+        text += ev["text"]
+    await ws.close()
+    await _wait_running(server, at_most=0, timeout=5.0)
+    messages = await _stored_messages(server, sid, 2)
+    assert [m["role"] for m in messages] == ["user", "assistant"], messages
+    assert messages[1]["content"].startswith(text) and messages[1]["cut"] is True
+    server.assert_no_leak()
+
+
+async def test_an_sse_session_turn_cut_by_a_disconnect_is_stored_as_a_pair(server):
+    sid = f"cut-sse-{time.monotonic_ns()}"
+    body = {**LONG, "session_id": sid}
+    text = ""
+    async with httpx.AsyncClient(timeout=120) as client:
+        async with client.stream("POST", server.url + "/v1/chat/completions", json=body,
+                                 headers=auth("alice")) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                if len(text) >= 20:
+                    break
+    await _wait_running(server, at_most=0, timeout=5.0)
+    messages = await _stored_messages(server, sid, 2)
+    assert [m["role"] for m in messages] == ["user", "assistant"], messages
+    assert messages[0] == LONG["messages"][0]
+    assert messages[1]["content"].startswith(text) and messages[1]["cut"] is True
+    server.assert_no_leak()
+
+
+async def test_clients_that_go_away_are_not_logged_as_errors(server):
+    """A WebSocket client that closes its session and socket (as a browser tab does), one
+    that leaves mid-answer, and an SSE client that leaves mid-stream: no ERROR, no
+    traceback in the server's log."""
+    import websockets
+
+    offset = server.log_path.stat().st_size
+    protocols = ["chatgate", f"bearer.{KEYS['alice']}"]
+    async with websockets.connect(server.ws_url, subprotocols=protocols) as ws:
+        await ws.send(json.dumps({"type": "session.create"}))
+        json.loads(await ws.recv())
+        await ws.send(json.dumps({"type": "message", "content": "Hi",
+                                  "params": {"max_tokens": 2}}))
+        while json.loads(await ws.recv())["type"] != "done":
+            pass
+        await ws.send(json.dumps({"type": "session.close"}))
+    async with websockets.connect(server.ws_url, subprotocols=protocols) as ws:
+        await ws.send(json.dumps({"type": "session.create"}))
+        json.loads(await ws.recv())
+        await ws.send(json.dumps({"type": "message", "content": "Write a long essay.",
+                                  "params": {"max_tokens": 500, "ignore_eos": True}}))
+        assert json.loads(await ws.recv())["type"] == "delta"
+    async with httpx.AsyncClient(timeout=120) as client:
+        async with client.stream("POST", server.url + "/v1/chat/completions", json=LONG,
+                                 headers=auth("alice")) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    break
+    await _wait_running(server, at_most=0, timeout=5.0)
+    log = _log_since(server, offset)
+    assert " ERROR " not in log and "Traceback" not in log, log

@@ -213,3 +213,16 @@ async def test_websocket_auth(server, via):
         await ws.send(json.dumps({"type": "session.create"}))
         ev = await recv_event(ws)
         assert ev["type"] == "session"
+
+
+def test_a_body_less_delete_without_content_type_deletes_the_session(server):
+    """What curl, httpx and the SDKs send for a DELETE: no body, no Content-Type."""
+    sid = f"bodyless-{uuid.uuid4().hex}"
+    r = httpx.post(server.url + "/v1/chat/completions", headers=auth("alice"), timeout=60,
+                   json={"model": "smollm2", "max_tokens": 2, "session_id": sid,
+                         "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200, r.text
+    key_only = {"Authorization": f"Bearer {KEYS['alice']}"}
+    r = httpx.delete(f"{server.url}/v1/sessions/{sid}", headers=key_only)
+    assert r.status_code == 200 and r.json() == {"id": sid, "deleted": True}
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", headers=key_only).status_code == 404
