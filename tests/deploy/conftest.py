@@ -6,7 +6,8 @@ only, all removed at the end).
 Two hooks of the files are used where this machine needs them, and only then: the base images
 come from ``deploy/offline-base-images.sh`` when no registry can be reached (``.ci/run`` runs
 it), and when the host's pip takes wheels from a local folder or trusts a CA bundle of its own
-(``PIP_FIND_LINKS``, ``PIP_CERT``) the image build gets the same through ``deploy/pip/``.
+(``find-links``, ``cert``: its environment or its pip.conf) the image build gets the same
+through ``deploy/pip/``.
 Skipped only where no Docker engine answers or no compose command is installed."""
 
 from __future__ import annotations
@@ -71,16 +72,30 @@ def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
     return r
 
 
+def host_pip_option(name: str) -> str | None:
+    """This host's pip setting ``name`` (``cert``, ``find-links``): from its environment, else
+    from its configuration files."""
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
+                            capture_output=True, text=True).stdout
+    values: dict[str, str] = {}
+    for line in listed.splitlines():
+        key, _, value = line.partition("=")
+        scope, _, option = key.rpartition(".")
+        if option == name:
+            values[scope] = value.strip("'\"")
+    return values.get(":env:") or next(iter(values.values()), None)
+
+
 def fill_pip_hook() -> bool:
     """Give the image build this host's pip sources (deploy/pip/README.md); True when the host
     has any, and the build should take torch from them."""
     hook = ROOT / "deploy" / "pip"
     conf = ["[global]"]
-    cert = os.environ.get("PIP_CERT")
+    cert = host_pip_option("cert")
     if cert and Path(cert).is_file():
         shutil.copy(cert, hook / "ca-bundle.crt")
         conf.append("cert = /etc/xdg/pip/ca-bundle.crt")
-    links = [Path(p) for p in os.environ.get("PIP_FIND_LINKS", "").split() if Path(p).is_dir()]
+    links = [Path(p) for p in (host_pip_option("find-links") or "").split() if Path(p).is_dir()]
     wheels = [w for folder in links for w in folder.glob("*-cp311-*.whl")]  # the image's Python
     for wheel in wheels:
         if not (hook / wheel.name).exists():
