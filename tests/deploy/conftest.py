@@ -17,7 +17,6 @@ import io
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.cluster import free_port  # noqa: E402
 
 REPLICAS = 3
 BUILD_TIMEOUT_S = 1800.0
@@ -55,12 +56,6 @@ def docker_engine_error() -> str | None:
     if r.returncode != 0:
         return f"no Docker engine answers: {r.stderr.strip().splitlines()[-1:]}"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
