@@ -6,11 +6,16 @@ Two implementations of one interface:
 * ``RedisSessionStore`` — redis.asyncio; per session a hash (metadata) and a list (messages,
   JSON), plus a sorted set per tenant indexing its sessions by last update. Every key is
   ``{prefix}:{tenant}:...``; each use refreshes the TTL; multi-key writes run in MULTI/EXEC.
+
+A message is ``{role, content}`` plus what the store keeps beside it (an answer's ``usage``,
+``timings``, ``finish_reason``, ``cut``). A session may carry a ``scope``, a client's label (the
+web UI's per-browser id) that listing can filter on.
 """
 
 from __future__ import annotations
 
 import abc
+import copy
 import json
 import time
 from dataclasses import dataclass, field
@@ -25,6 +30,8 @@ _SET_TITLE_LUA = (
     "redis.call('HSET', KEYS[1], 'title', ARGV[1]) end return 1"
 )
 
+Message = dict[str, Any]
+
 
 @dataclass
 class SessionRecord:
@@ -34,7 +41,8 @@ class SessionRecord:
     created: float = 0.0
     updated: float = 0.0
     num_messages: int = 0
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    scope: str | None = None
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -52,16 +60,16 @@ class SessionRecord:
             "created": int(self.created),
             "updated": int(self.updated),
             "system": self.system,
-            "messages": [dict(m) for m in self.messages],
+            "messages": copy.deepcopy(self.messages),
         }
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[Message]:
         """System prompt (if any) + history, ready for the chat template."""
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + [{"role": m["role"], "content": m["content"]} for m in self.messages]
 
 
-def _title_of(messages: list[dict[str, str]]) -> str:
+def _title_of(messages: list[Message]) -> str:
     for m in messages:
         if m.get("role") == "user" and m.get("content"):
             return " ".join(m["content"].split())[:TITLE_CHARS]
@@ -75,24 +83,26 @@ class SessionStore(abc.ABC):
         self.ttl_s = ttl_s
 
     @abc.abstractmethod
-    async def create(self, tenant_id: str, session_id: str, system: str | None) -> SessionRecord:
-        """Create (or reset) a session."""
+    async def create(self, tenant_id: str, session_id: str, system: str | None,
+                     scope: str | None = None) -> SessionRecord:
+        """Create (or reset) a session, labelled with ``scope`` if given."""
 
     @abc.abstractmethod
     async def get(self, tenant_id: str, session_id: str) -> SessionRecord | None:
         """The session with its messages, refreshing its TTL; ``None`` if absent/expired."""
 
     @abc.abstractmethod
-    async def list(self, tenant_id: str) -> list[SessionRecord]:
-        """The tenant's sessions (without messages), most recently updated first."""
+    async def list(self, tenant_id: str, scope: str | None = None) -> list[SessionRecord]:
+        """The tenant's sessions (without messages; only those of ``scope`` if given), most
+        recently updated first."""
 
     @abc.abstractmethod
-    async def append(self, tenant_id: str, session_id: str, messages: list[dict[str, str]]) -> None:
+    async def append(self, tenant_id: str, session_id: str, messages: list[Message]) -> None:
         """Append messages to an existing session."""
 
     @abc.abstractmethod
     async def replace(
-        self, tenant_id: str, session_id: str, system: str | None, messages: list[dict[str, str]]
+        self, tenant_id: str, session_id: str, system: str | None, messages: list[Message]
     ) -> SessionRecord:
         """Set a session's system prompt and whole history (creating it if needed)."""
 
@@ -131,12 +141,14 @@ class MemorySessionStore(SessionStore):
     def _copy(rec: SessionRecord, with_messages: bool = True) -> SessionRecord:
         return SessionRecord(
             rec.id, rec.title, rec.system, rec.created, rec.updated, rec.num_messages,
-            [dict(m) for m in rec.messages] if with_messages else [],
+            copy.deepcopy(rec.messages) if with_messages else [], rec.scope,
         )
 
-    async def create(self, tenant_id: str, session_id: str, system: str | None) -> SessionRecord:
+    async def create(self, tenant_id: str, session_id: str, system: str | None,
+                     scope: str | None = None) -> SessionRecord:
         now = time.time()
-        rec = SessionRecord(id=session_id, system=system or None, created=now, updated=now)
+        rec = SessionRecord(id=session_id, system=system or None, created=now, updated=now,
+                            scope=scope)
         self._touch((tenant_id, session_id), rec)
         return self._copy(rec)
 
@@ -148,22 +160,22 @@ class MemorySessionStore(SessionStore):
         self._touch(key, rec)
         return self._copy(rec)
 
-    async def list(self, tenant_id: str) -> list[SessionRecord]:
+    async def list(self, tenant_id: str, scope: str | None = None) -> list[SessionRecord]:
         out = []
         for t, sid in list(self._data):
             if t == tenant_id:
                 rec = self._live((t, sid))
-                if rec is not None:
+                if rec is not None and (scope is None or rec.scope == scope):
                     out.append(self._copy(rec, with_messages=False))
         out.sort(key=lambda r: r.updated, reverse=True)
         return out
 
-    async def append(self, tenant_id: str, session_id: str, messages: list[dict[str, str]]) -> None:
+    async def append(self, tenant_id: str, session_id: str, messages: list[Message]) -> None:
         key = (tenant_id, session_id)
         rec = self._live(key)
         if rec is None:
             raise KeyError(session_id)
-        rec.messages.extend(dict(m) for m in messages)
+        rec.messages.extend(copy.deepcopy(messages))
         rec.num_messages = len(rec.messages)
         rec.updated = time.time()
         if not rec.title:
@@ -171,13 +183,13 @@ class MemorySessionStore(SessionStore):
         self._touch(key, rec)
 
     async def replace(
-        self, tenant_id: str, session_id: str, system: str | None, messages: list[dict[str, str]]
+        self, tenant_id: str, session_id: str, system: str | None, messages: list[Message]
     ) -> SessionRecord:
         key = (tenant_id, session_id)
         now = time.time()
         rec = self._live(key) or SessionRecord(id=session_id, created=now)
         rec.system = system or None
-        rec.messages = [dict(m) for m in messages]
+        rec.messages = copy.deepcopy(messages)
         rec.num_messages = len(rec.messages)
         rec.updated = now
         rec.title = _title_of(rec.messages)
@@ -234,13 +246,15 @@ class RedisSessionStore(SessionStore):
             updated=float(meta.get("updated", 0) or 0),
             num_messages=int(meta.get("num_messages", 0) or 0),
             messages=[json.loads(m) for m in raw] if raw is not None else [],
+            scope=meta.get("scope") or None,
         )
 
-    async def create(self, tenant_id: str, session_id: str, system: str | None) -> SessionRecord:
+    async def create(self, tenant_id: str, session_id: str, system: str | None,
+                     scope: str | None = None) -> SessionRecord:
         now = time.time()
         mk, lk, ik = self._keys(tenant_id, session_id)
         meta = {"id": session_id, "title": "", "system": system or "", "created": repr(now),
-                "updated": repr(now), "num_messages": 0}
+                "updated": repr(now), "num_messages": 0, "scope": scope or ""}
         async with self.redis.pipeline(transaction=True) as p:
             p.delete(mk, lk)
             p.hset(mk, mapping=meta)
@@ -248,7 +262,8 @@ class RedisSessionStore(SessionStore):
             p.zadd(ik, {session_id: now})
             p.expire(ik, self._ttl)
             await p.execute()
-        return SessionRecord(id=session_id, system=system or None, created=now, updated=now)
+        return SessionRecord(id=session_id, system=system or None, created=now, updated=now,
+                             scope=scope)
 
     async def get(self, tenant_id: str, session_id: str) -> SessionRecord | None:
         mk, lk, ik = self._keys(tenant_id, session_id)
@@ -263,7 +278,7 @@ class RedisSessionStore(SessionStore):
             return None
         return self._record(session_id, meta, raw)
 
-    async def list(self, tenant_id: str) -> list[SessionRecord]:
+    async def list(self, tenant_id: str, scope: str | None = None) -> list[SessionRecord]:
         ik = self.index_key(tenant_id)
         ids = await self.redis.zrevrange(ik, 0, -1)
         if not ids:
@@ -274,15 +289,15 @@ class RedisSessionStore(SessionStore):
             metas = await p.execute()
         out, gone = [], []
         for sid, meta in zip(ids, metas, strict=True):
-            if meta:
-                out.append(self._record(sid, meta, None))
-            else:
+            if not meta:
                 gone.append(sid)
+            elif scope is None or meta.get("scope") == scope:
+                out.append(self._record(sid, meta, None))
         if gone:  # expired sessions leave their id in the index: prune lazily
             await self.redis.zrem(ik, *gone)
         return out
 
-    async def append(self, tenant_id: str, session_id: str, messages: list[dict[str, str]]) -> None:
+    async def append(self, tenant_id: str, session_id: str, messages: list[Message]) -> None:
         if not messages:
             return
         now = time.time()
@@ -303,11 +318,11 @@ class RedisSessionStore(SessionStore):
             await p.execute()
 
     async def replace(
-        self, tenant_id: str, session_id: str, system: str | None, messages: list[dict[str, str]]
+        self, tenant_id: str, session_id: str, system: str | None, messages: list[Message]
     ) -> SessionRecord:
         now = time.time()
         mk, lk, ik = self._keys(tenant_id, session_id)
-        created = await self.redis.hget(mk, "created")
+        created, scope = await self.redis.hmget(mk, ["created", "scope"])
         created_f = float(created) if created else now
         title = _title_of(messages)
         meta = {"id": session_id, "title": title, "system": system or "",
@@ -323,7 +338,7 @@ class RedisSessionStore(SessionStore):
             p.expire(ik, self._ttl)
             await p.execute()
         return SessionRecord(session_id, title, system or None, created_f, now, len(messages),
-                             [dict(m) for m in messages])
+                             copy.deepcopy(messages), scope or None)
 
     async def delete(self, tenant_id: str, session_id: str) -> bool:
         mk, lk, ik = self._keys(tenant_id, session_id)

@@ -26,10 +26,19 @@ def _session_id(request: Request) -> str:
     return sid
 
 
+def _scope(request: Request) -> str | None:
+    """The ``scope`` query parameter: list only the sessions created with that label."""
+    scope = request.query_params.get("scope")
+    if scope is not None and not _SID_RE.match(scope):
+        raise APIError(400, f"'scope' must match {SESSION_ID_PATTERN}.", param="scope",
+                       code="invalid_value")
+    return scope
+
+
 async def list_sessions(request: Request) -> Response:
     gw = gateway(request)
     tenant = authenticate(request, gw.tenants)
-    records = await gw.store.list(tenant.id)
+    records = await gw.store.list(tenant.id, _scope(request))
     return JSONResponse({"object": "list", "data": [r.summary() for r in records]})
 
 

@@ -54,6 +54,17 @@ class TurnStats:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
+    def answer_stats(self) -> dict[str, Any]:
+        """``usage`` and ``timings`` as the WebSocket ``done`` event and a stored answer carry
+        them."""
+        return {
+            "usage": {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                      "completion_tokens": self.completion_tokens},
+            "timings": {"ttft_ms": round(self.ttft_s * 1000, 1)
+                        if self.ttft_s is not None else None,
+                        "tokens_per_s": round(self.tokens_per_s(), 2)},
+        }
+
 
 def sampling_params(defaults: dict[str, Any], **kwargs: Any) -> SamplingParams:
     """``SamplingParams`` from OpenAI-style values; one left None takes its value from
@@ -93,21 +104,28 @@ def store_unavailable(error: BaseException) -> APIError:
 class Turn:
     """``messages``: the whole conversation to answer (system prompt first). ``session_id``:
     the client's session id, or None for a turn that keeps nothing. ``tools``: function
-    definitions the chat template renders itself."""
+    definitions the chat template renders itself. ``history``: for a conversation the server
+    keeps (the WebSocket's), the stored messages that ``messages`` holds after its system
+    prompt, with the fields the template does not see (an earlier answer's stats); they are
+    stored as they are, and the answer with its own stats. Without it (HTTP, where the client
+    sends the conversation) the session keeps ``messages`` and the answer's text."""
 
     def __init__(self, gw: Gateway, tenant: Tenant, messages: list[dict[str, Any]], *,
                  session_id: str | None, transport: str,
-                 tools: list[dict[str, Any]] | None = None) -> None:
+                 tools: list[dict[str, Any]] | None = None,
+                 history: list[dict[str, Any]] | None = None) -> None:
         self.gw = gw
         self.tenant = tenant
         self.messages = messages
         self.tools = tools
+        self.history = history
         self.session_id = session_id
         self.transport = transport
         self.engine_session_id = (gw.tenants.engine_session_id(tenant, session_id)
                                   if session_id is not None else None)
         self.stats = TurnStats()
         self._answer: list[str] = []  # the text of sample 0 so far, in pieces
+        self.finish_reason: str | None = None  # sample 0's, from the engine
         self.prompt_ids: list[int] = []
         self.params: SamplingParams | None = None
         self.stored: list[dict[str, Any]] | None = None  # the history this turn stored
@@ -166,6 +184,14 @@ class Turn:
             self._answer = ["".join(self._answer)]
         return self._answer[0] if self._answer else ""
 
+    def answer_stats(self) -> dict[str, Any]:
+        """The answer's ``usage``, ``timings`` and (unless cut) ``finish_reason``, as stored
+        with it."""
+        stats = self.stats.answer_stats()
+        if self.finish_reason is not None:
+            stats["finish_reason"] = self.finish_reason
+        return stats
+
     def release(self) -> None:
         """Give back the tenant's stream slot (charging the tokens used) and the session
         lock; only the first call does anything."""
@@ -179,11 +205,14 @@ class Turn:
 
     async def store(self, cut: bool = False) -> None:
         """Save the conversation and this turn's answer (sample 0, so far; ``cut``: marked
-        ``"cut": true``) as the session's history, in one write, and keep it in
-        ``self.stored``; 503 if the store fails."""
+        ``"cut": true``; with :meth:`answer_stats` for a ``history`` turn) as the session's
+        history, in one write, and keep it in ``self.stored``; 503 if the store fails."""
         assert self.session_id is not None
         system, history = split_history(self.messages)
         answer: dict[str, Any] = {"role": "assistant", "content": self.answer}
+        if self.history is not None:
+            history = [dict(m) for m in self.history]
+            answer.update(self.answer_stats())
         if cut:
             answer["cut"] = True
         history.append(answer)
@@ -238,6 +267,8 @@ class Turn:
                         self._answer.append(c.text)
                     if c.finish_reason is not None:
                         finish_reasons.add(c.finish_reason)
+                        if c.index == 0:
+                            self.finish_reason = c.finish_reason
                 if new:
                     stats.completion_tokens += new
                     if stats.first_token_at is None:
@@ -247,8 +278,10 @@ class Turn:
                     else:
                         metrics.observe_tokens(new, now - last_token_at)
                     last_token_at = now
-                if out.finished and self.session_id is not None:
-                    await self.store()
+                if out.finished:
+                    stats.ended = now
+                    if self.session_id is not None:
+                        await self.store()
                 finished = out.finished
                 yield out
         except ValueError as e:
@@ -263,7 +296,8 @@ class Turn:
             raise
         finally:
             await outputs.aclose()  # aborts the engine request if it has not finished
-            stats.ended = time.perf_counter()
+            if stats.ended is None:  # left before the end
+                stats.ended = time.perf_counter()
             metrics.stream_ended(transport)
             if finished:
                 metrics.observe_finish(finish_reasons, stats.ended - stats.started)

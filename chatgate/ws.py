@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -18,7 +19,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from chatgate.body import parse_json
 from chatgate.errors import APIError, from_validation_error
 from chatgate.middleware import tokens_text
-from chatgate.openai_models import WSParams
+from chatgate.openai_models import SESSION_ID_PATTERN, WSParams
 from chatgate.service import Gateway
 from chatgate.session_ids import HEADER, QUERY_PARAM, agreed_session_id
 from chatgate.sessions import SessionRecord, is_store_error
@@ -30,6 +31,7 @@ log = logging.getLogger("chatgate")
 SUBPROTOCOL = "chatgate"
 TURN_EVENTS = frozenset({"message", "regenerate"})
 BEARER_PREFIX = "bearer."
+_SCOPE_RE = re.compile(SESSION_ID_PATTERN)
 _encode = msgspec.json.Encoder().encode
 
 
@@ -162,9 +164,13 @@ class WSConnection:
         system = event.get("system")
         if system is not None and not isinstance(system, str):
             raise APIError(400, "'system' must be a string.", code="invalid_params")
+        scope = event.get("scope")
+        if scope is not None and not (isinstance(scope, str) and _SCOPE_RE.match(scope)):
+            raise APIError(400, f"'scope' must be a string matching {SESSION_ID_PATTERN}.",
+                           code="invalid_params")
         assert self.tenant is not None
         sid = self._named_session(event) or uuid.uuid4().hex
-        self.session = await self.gw.store.create(self.tenant.id, sid, system or None)
+        self.session = await self.gw.store.create(self.tenant.id, sid, system or None, scope)
         await self.send(self._session_event())
 
     async def on_resume(self, event: dict[str, Any]) -> None:
@@ -212,7 +218,8 @@ class WSConnection:
         if not isinstance(content, str) or not content:
             raise APIError(400, "'content' must be a non-empty string.", code="invalid_params")
         user = {"role": "user", "content": content}
-        turn = await self._start_turn(self.session.chat_messages() + [user], event)
+        turn = await self._start_turn(self.session.chat_messages() + [user],
+                                      self.session.messages + [user], event)
         self.task = asyncio.create_task(self._generate(turn, "message"))
 
     async def on_regenerate(self, event: dict[str, Any]) -> None:
@@ -227,7 +234,8 @@ class WSConnection:
             raise APIError(400, "Nothing to regenerate: the session has no user message.",
                            code="invalid_params")
         head = [{"role": "system", "content": self.session.system}] if self.session.system else []
-        turn = await self._start_turn(head + msgs, event)
+        plain = [{"role": m["role"], "content": m["content"]} for m in msgs]
+        turn = await self._start_turn(head + plain, msgs, event)
         self.task = asyncio.create_task(self._generate(turn, "regenerate"))
 
     def log_turn(self, event_type: str, outcome: str, seconds: float,
@@ -238,10 +246,14 @@ class WSConnection:
         log.info("WS %s %s %s %.3fs%s", self.ws.url.path, event_type, outcome, seconds,
                  tokens_text([stats] if stats is not None else []))
 
-    async def _start_turn(self, messages: list[dict[str, str]], event: dict[str, Any]) -> Turn:
+    async def _start_turn(self, messages: list[dict[str, str]], history: list[dict[str, Any]],
+                          event: dict[str, Any]) -> Turn:
+        """``messages`` for the template; ``history``: the same after the system prompt, as
+        stored (with earlier answers' stats)."""
         assert self.tenant is not None and self.session is not None
         p = self._params(event)
-        turn = Turn(self.gw, self.tenant, messages, session_id=self.session.id, transport="ws")
+        turn = Turn(self.gw, self.tenant, messages, session_id=self.session.id, transport="ws",
+                    history=history)
         await turn.prepare(max_tokens=p.max_tokens, **p.sampling())
         await turn.start()
         return turn
@@ -284,16 +296,7 @@ class WSConnection:
             await self.error(error.code or "error", error.message)
             return
         with contextlib.suppress(Exception):  # the client may be gone
-            await self.send({
-                "type": "done",
-                "finish_reason": finish,
-                "usage": {"prompt_tokens": stats.prompt_tokens,
-                          "cached_tokens": stats.cached_tokens,
-                          "completion_tokens": stats.completion_tokens},
-                "timings": {"ttft_ms": round(stats.ttft_s * 1000, 1)
-                            if stats.ttft_s is not None else None,
-                            "tokens_per_s": round(stats.tokens_per_s(), 2)},
-            })
+            await self.send({"type": "done", "finish_reason": finish, **stats.answer_stats()})
 
     async def cancel_generation(self) -> None:
         task = self.task

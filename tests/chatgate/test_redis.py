@@ -66,6 +66,27 @@ async def test_store_round_trip(store):
         await store.append("t1", "missing", [{"role": "user", "content": "x"}])
 
 
+async def test_store_keeps_answer_stats_and_lists_by_scope(store):
+    """An answer's usage, timings and finish reason are kept with it, and a reset of the
+    session by ``create`` keeps its new scope; listing by scope returns that scope's sessions
+    only."""
+    answer = {"role": "assistant", "content": "Paris.", "finish_reason": "stop",
+              "usage": {"prompt_tokens": 20, "cached_tokens": 16, "completion_tokens": 3},
+              "timings": {"ttft_ms": 41.5, "tokens_per_s": 12.25}}
+    await store.create("t1", "mine", None, scope="browser-1")
+    await store.create("t1", "other", None, scope="browser-2")
+    await store.create("t1", "sdk", None)
+    await store.replace("t1", "mine", None, [{"role": "user", "content": "Capital?"}, answer])
+    got = await store.get("t1", "mine")
+    assert got.messages[1] == answer and got.scope == "browser-1"
+    got.messages[1]["usage"]["cached_tokens"] = 0  # a copy: the stored answer is unchanged
+    assert (await store.get("t1", "mine")).messages[1] == answer
+    assert [r.id for r in await store.list("t1", scope="browser-1")] == ["mine"]
+    assert [r.id for r in await store.list("t1", scope="browser-2")] == ["other"]
+    assert {r.id for r in await store.list("t1")} == {"mine", "other", "sdk"}
+    assert await store.list("t2", scope="browser-1") == []
+
+
 async def test_memory_store_expires():
     s = MemorySessionStore(0.2)
     await s.create("t", "a", None)

@@ -103,6 +103,40 @@ async def test_five_turn_websocket_conversation_reuses_the_pinned_session(server
     assert {"created", "updated"} <= set(entry)
 
 
+async def test_websocket_answers_are_stored_with_their_stats_and_listed_by_scope(server):
+    """Each answer keeps the usage, timings and finish reason its ``done`` event reported,
+    through later turns, in ``GET /v1/sessions/{id}`` and in a resume's ``session`` event; a
+    session created with a scope is listed under that scope only."""
+    scope = f"browser-{uuid.uuid4().hex}"
+    async with websockets.connect(server.ws_url, subprotocols=subprotocols()) as ws:
+        await ws.send(json.dumps({"type": "session.create", "system": unique_system(),
+                                  "scope": scope}))
+        sid = (await recv_event(ws, {"session"}))["id"]
+        dones = [(await ws_turn(ws, turn))[1] for turn in TURNS[:2]]
+    expected = [{k: d[k] for k in ("usage", "timings", "finish_reason")} for d in dones]
+
+    def stats_of(messages: list[dict]) -> list[dict]:
+        return [{k: m.get(k) for k in ("usage", "timings", "finish_reason")}
+                for m in messages if m["role"] == "assistant"]
+
+    body = httpx.get(f"{server.url}/v1/sessions/{sid}", headers=auth("alice")).json()
+    assert stats_of(body["messages"]) == expected
+    async with websockets.connect(server.ws_url, subprotocols=subprotocols()) as ws:
+        await ws.send(json.dumps({"type": "session.resume", "session_id": sid}))
+        assert stats_of((await recv_event(ws, {"session"}))["messages"]) == expected
+
+    def listed(query: str) -> list[str]:
+        r = httpx.get(f"{server.url}/v1/sessions{query}", headers=auth("alice"))
+        assert r.status_code == 200, r.text
+        return [s["id"] for s in r.json()["data"]]
+
+    assert listed(f"?scope={scope}") == [sid]
+    assert sid not in listed(f"?scope={scope}-other")
+    assert sid in listed("")
+    bad = httpx.get(f"{server.url}/v1/sessions?scope=a%20b", headers=auth("alice"))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "scope"
+
+
 async def test_each_websocket_turn_gets_one_log_line_with_its_outcome_and_tokens(server):
     async with websockets.connect(server.ws_url, subprotocols=subprotocols()) as ws:
         await ws.send(json.dumps({"type": "session.create", "system": unique_system()}))
