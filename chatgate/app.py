@@ -255,6 +255,7 @@ async def _lifespan(app: Starlette, settings: Settings,
         gc.freeze()
         yield
     finally:
+        gc.unfreeze()  # for the collection at exit (see engine.core.main)
         app.state.gateway = None
         await gw.stop_background()
         with contextlib.suppress(Exception):

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from chatgate.settings import Settings
 from chatgate.tenants import hash_api_key
 from engine.config import EngineConfig
+from engine.logs import configure_logging, logging_config
 
 log = logging.getLogger("chatgate")
 
@@ -118,8 +119,7 @@ def serve(settings: Settings) -> int:
 
     from chatgate.app import create_app
 
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level)
     log.info("chatgate starting on http://%s:%d", settings.host, settings.port)
     app = create_app(settings)
     config = uvicorn.Config(
@@ -127,6 +127,7 @@ def serve(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=logging_config(settings.log_level),  # uvicorn's lines in our format
         lifespan="on",
         # Frames a bit over the app's limit get an ``error`` event (socket open); only far
         # larger ones are cut by the protocol layer (close 1009).

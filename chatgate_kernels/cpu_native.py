@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -58,15 +59,31 @@ def native() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
-    logger.info("loading the fused CPU kernels (compiled once per machine: ~30 s)")
     try:
-        with _one_builder(build_directory()):
-            return cpp_extension.load(name=_name(), sources=[str(SOURCE)], extra_cflags=FLAGS,
-                                      extra_ldflags=["-fopenmp"])
+        build = build_directory()
+        with _one_builder(build):
+            cached = _built(build)
+            if not cached:
+                logger.info("compiling the fused CPU kernels for this CPU (once per machine: "
+                            "~30 s)")
+            started = time.monotonic()
+            module = cpp_extension.load(name=_name(), sources=[str(SOURCE)],
+                                        extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+            logger.log(logging.DEBUG if cached else logging.INFO, "fused CPU kernels %s in %.1f s",
+                       f"loaded from {build}" if cached else "built", time.monotonic() - started)
+            return module
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, a failed build
         logger.warning("fused CPU kernels unavailable, using the torch reference: %s",
                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
+
+
+def _built(build: Path) -> bool:
+    """Whether the build folder ``build`` holds a library built from this source file (its
+    path in torch's ``build.ninja``, the library newer than it): torch then only loads it."""
+    library, ninja = build / f"{_name()}.so", build / "build.ninja"
+    return (library.is_file() and ninja.is_file() and str(SOURCE) in ninja.read_text()
+            and library.stat().st_mtime >= SOURCE.stat().st_mtime)
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ from engine.ipc import (
     client_decoder,
 )
 from engine.loader import load_tokenizer
+from engine.logs import child_environment
 from engine.outputs import RequestOutput, merge_outputs
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -143,7 +144,7 @@ class AsyncEngine:
                 "--config", msgspec.json.encode(self.config).decode(),
                 "--inbox", inbox, "--outbox", outbox, "--parent-fd", str(parent_fd),
                 "--log-level", self.log_level,
-                pass_fds=(parent_fd,),
+                pass_fds=(parent_fd,), env=child_environment(),
             )
         finally:
             os.close(parent_fd)

@@ -37,6 +37,7 @@ from engine.ipc import (
     engine_decoder,
 )
 from engine.llm_engine import LLMEngine
+from engine.logs import configure_logging
 from engine.tensor_parallel import WorkerDied
 
 logger = logging.getLogger("engine.core")
@@ -177,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(args.inbox)
@@ -208,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     core = EngineCore(engine, inbox, outbox, args.parent_fd)
     core.run()
     engine.shutdown()
+    # Frozen objects are never collected, not even by the collection at interpreter exit:
+    # Triton's (torch imports it) would outlive its nanobind extension, which then prints
+    # "nanobind: leaked ..." for each. Unfrozen, that last collection frees them.
+    gc.unfreeze()
     inbox.close(linger=0)
     outbox.close()
     context.term()
