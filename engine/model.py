@@ -111,9 +111,7 @@ class LlamaModel:
         self.lm_head: Weight = weights.get("lm_head.weight", self.embed)
         self.device = self.embed.device
         self.dtype = self.embed.dtype
-        quantization = resolve_quantization(
-            quantization, self.device, (config.hidden_size, config.intermediate_size // ranks,
-                                        self.num_heads * self.head_dim))
+        quantization = resolve_quantization(quantization, self.device)
         check_quantization(quantization, self.device)
         if quantization is not None:
             logger.info("quantizing the linear layers to %s (%s)", quantization, self.device)

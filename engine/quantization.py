@@ -186,9 +186,12 @@ LAYERS: dict[str, type[QuantizedLinear]] = {"int8": Int8Linear, "int4": Int4Line
 QUANTIZATIONS = tuple(LAYERS)
 CPU_QUANTIZATIONS = ("int8", "int4")
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
-# what ``--quantization`` also takes: "auto" (``chatgate serve``'s default) is int4 on the CPU
-# when the model's widths allow it and unquantized elsewhere; "none" is unquantized
+# what ``--quantization`` also takes: "auto" (``chatgate serve``'s default) is int8 on the CPU
+# and unquantized elsewhere; "none" is unquantized. int8 rather than int4: on everyday questions
+# (benchmarks/everyday_questions.py, docs/benchmarks.md section 8) int4 loops at temperature 0
+# on "What is the capital of France?", int8 answers it and more questions than float32
 CHOICES = (*QUANTIZATIONS, "auto", "none")
+AUTO_CPU = "int8"
 
 
 def quantized_linear(quantization: str, weight: torch.Tensor,
@@ -197,13 +200,11 @@ def quantized_linear(quantization: str, weight: torch.Tensor,
     return LAYERS[quantization](weight, bias)
 
 
-def resolve_quantization(choice: str | None, device: torch.device,
-                         widths: tuple[int, ...]) -> str | None:
-    """The layers ``choice`` (one of :data:`CHOICES`, or None) means for ``device`` and a model
-    whose linear layers read inputs of ``widths``: None for unquantized."""
+def resolve_quantization(choice: str | None, device: torch.device) -> str | None:
+    """The layers ``choice`` (one of :data:`CHOICES`, or None) means for ``device``: None for
+    unquantized."""
     if choice == "auto":
-        fits = all(w % INT4_GROUP == 0 for w in widths)
-        return "int4" if device.type == "cpu" and fits else None
+        return AUTO_CPU if device.type == "cpu" else None
     return None if choice == "none" else choice
 
 

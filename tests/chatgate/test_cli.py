@@ -64,7 +64,7 @@ def test_every_exposed_engine_config_field_has_its_vllm_flag():
 
 
 def test_serve_defaults_to_auto_quantization_while_the_library_keeps_float_weights():
-    """``chatgate serve`` picks int4 on the CPU (``auto``); ``LLM()`` stays exact float32."""
+    """``chatgate serve`` picks int8 on the CPU (``auto``); ``LLM()`` stays exact float32."""
     assert parse().engine.quantization == "auto"
     assert parse("--quantization", "none").engine.quantization == "none"
     assert EngineConfig().quantization is None
