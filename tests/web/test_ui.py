@@ -14,30 +14,19 @@ import hashlib
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
+from ui_testlib import CHROMIUM, CHROMIUM_ARGS, ROOT, get, serve
 
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"{CHROMIUM} is absent: install Debian's chromium (apt-get install chromium) "
                 "to run the browser tests", allow_module_level=True)
 
 from playwright.sync_api import Page, WebSocketRoute, expect, sync_playwright  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "docs" / "screenshot.png"
 SCREENSHOT_PHONE = ROOT / "docs" / "screenshot-phone.png"
 API_KEY = "sk-ui-test-0123456789"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync"]
 GEN_TIMEOUT = 90_000  # ms; one answer on two CPU cores takes a few seconds
 
 # Payloads that would run script if the answer were inserted unsanitised.
@@ -53,19 +42,8 @@ EVIL = "\n\n".join([
 ])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, key: str | None = API_KEY) -> tuple[int, dict]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, {}
+    return get(url, key)
 
 
 @pytest.fixture(scope="module")
@@ -75,39 +53,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     tenants = tmp / "tenants.toml"
     digest = hashlib.sha256(API_KEY.encode()).hexdigest()
     tenants.write_text(f'[[tenants]]\nid = "ui"\napi_key_sha256 = ["{digest}"]\n')
-    port = _free_port()
-    cmd = [sys.executable, "-m", "chatgate.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--model", "smollm2", "--device", "cpu",
-           "--max-model-len", "2048", "--max-num-seqs", "4", "--tenants", str(tenants),
-           "--log-level", "warning"]
-    log_path = tmp / "server.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"chatgate serve exited ({proc.returncode}):\n"
-                            f"{log_path.read_text()[-4000:]}")
-            try:
-                if _get(base + "healthz", None)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"chatgate serve not ready in 300 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
+    with serve(tmp, ["--tenants", str(tenants)]) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ const el = {
 };
 
 const KEY_STORE = "chatgate.apiKey";
+const SCOPE_STORE = "chatgate.scope";
 const AUTH_CODES = new Set(["unauthorized", "auth_required", "invalid_api_key", "forbidden",
   "authentication_error", "401", "403"]);
 const AUTH_CLOSE_CODES = new Set([1008, 4001, 4003, 4401, 4403]);
@@ -40,6 +41,16 @@ const state = {
 
 function apiKey() {
   return localStorage.getItem(KEY_STORE) || "";
+}
+
+/** This browser's scope: a random id its sessions are created with, and listed by. */
+function browserScope() {
+  let scope = localStorage.getItem(SCOPE_STORE);
+  if (!scope) {
+    scope = newSessionId();
+    localStorage.setItem(SCOPE_STORE, scope);
+  }
+  return scope;
 }
 
 function authHeaders() {
@@ -305,6 +316,15 @@ function addAssistant(text) {
   return node;
 }
 
+/** A stored answer, with the stats line its turn was stored with. */
+function addStoredAnswer(m) {
+  const node = addAssistant(m.content);
+  if (m.usage) {
+    const finish = m.cut ? "cancelled" : m.finish_reason;
+    node.append(statsNode({ usage: m.usage, timings: m.timings, finish_reason: finish }));
+  }
+}
+
 function addCopyButtons(body) {
   for (const pre of body.querySelectorAll("pre")) {
     const btn = document.createElement("button");
@@ -338,7 +358,7 @@ function renderHistory(system) {
   }
   for (const m of state.messages) {
     if (m.role === "user") addUser(m.content);
-    else if (m.role === "assistant") addAssistant(m.content);
+    else if (m.role === "assistant") addStoredAnswer(m);
   }
   const first = state.messages.find((m) => m.role === "user");
   el.title.textContent = first ? first.content.slice(0, 80) : "New chat";
@@ -431,7 +451,8 @@ function sendMessage() {
     state.creating = true;
     state.sessionId = newSessionId();
     const system = el.system.value.trim();
-    send({ type: "session.create", session_id: state.sessionId, ...(system ? { system } : {}) });
+    send({ type: "session.create", session_id: state.sessionId, scope: browserScope(),
+      ...(system ? { system } : {}) });
     if (system) renderHistory(system);
   }
   el.intro.hidden = true;
@@ -509,7 +530,8 @@ async function deleteSession(id) {
 async function refreshSessions() {
   let r;
   try {
-    r = await fetch("v1/sessions", { headers: authHeaders() });
+    const query = new URLSearchParams({ scope: browserScope() });
+    r = await fetch(`v1/sessions?${query}`, { headers: authHeaders() });
   } catch {
     return; // the socket's reconnect banner tells the story
   }
@@ -522,7 +544,8 @@ async function refreshSessions() {
     return;
   }
   const { data = [] } = await r.json();
-  const items = data.map((s) => {
+  // This browser's conversations that have a turn (a chat refused at its first message has none).
+  const items = data.filter((s) => s.num_messages > 0).map((s) => {
     const li = document.createElement("li");
     li.dataset.id = s.id;
     li.classList.toggle("active", s.id === state.sessionId);
@@ -550,6 +573,23 @@ async function refreshSessions() {
   });
   el.sessions.replaceChildren(...items);
   el.sessionsEmpty.hidden = items.length > 0;
+}
+
+/** The model's answer-length default (`default_max_tokens` of /v1/models) as the Max tokens
+ * placeholder, and its context length as the input's maximum; "server default" if absent. */
+async function showTokenLimits() {
+  let model;
+  try {
+    const r = await fetch("v1/models", { headers: authHeaders() });
+    if (!r.ok) return;
+    model = (await r.json()).data?.[0];
+  } catch {
+    return;
+  }
+  if (Number.isInteger(model?.default_max_tokens)) {
+    el.maxTokens.placeholder = `default: ${model.default_max_tokens}`;
+  }
+  if (Number.isInteger(model?.max_model_len)) el.maxTokens.max = model.max_model_len;
 }
 
 function autosize() {
@@ -591,6 +631,7 @@ el.keyForm.addEventListener("submit", (e) => {
   hideBanner();
   reconnect();
   refreshSessions();
+  showTokenLimits();
 });
 el.forgetKey.onclick = () => {
   localStorage.removeItem(KEY_STORE);
@@ -610,6 +651,7 @@ if (initial) {
 updateControls();
 connect();
 refreshSessions();
+showTokenLimits();
 
 // For tests and debugging in the console.
 window.chatgate = { renderMarkdown, state, reconnect };
