@@ -43,6 +43,23 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                                choices=f.metadata.get("choices"))
 
 
+def _add_settings_flag(group: argparse._ArgumentGroup, name: str, **kwargs: typing.Any) -> None:
+    """The flag of ``Settings`` field ``name``: its default and its description as help."""
+    field = Settings.model_fields[name]
+    group.add_argument("--" + name.replace("_", "-"), default=field.default,
+                       help=field.description, **kwargs)
+
+
+def _max_tokens_flag(value: str) -> int | None:
+    """``--max-tokens``: a positive count, or 0 / ``none`` for no default bound."""
+    if value.strip().lower() in ("0", "none"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count or none: {value!r}") from None
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine (vLLM's flags)")
     _add_engine_args(e)
@@ -80,6 +97,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults for what a request leaves unset: auto (the model's "
                         "recommended ones, else vllm's) or vllm (temperature 1, top_p 1, no "
                         "top_k)")
+    _add_settings_flag(g, "max_tokens", type=_max_tokens_flag, metavar="N")
+    _add_settings_flag(g, "repetition_guard", action=argparse.BooleanOptionalAction)
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -103,6 +122,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         allowed_origins=args.allowed_origins, max_request_bytes=args.max_request_bytes,
         ws_max_message_bytes=args.ws_max_message_bytes, body_timeout=args.body_timeout,
         send_timeout=args.send_timeout, generation_config=args.generation_config,
+        max_tokens=args.max_tokens, repetition_guard=args.repetition_guard,
         log_level=args.log_level,
     )
     if args.server_secret:

@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from chatgate.auth import authenticate
 from chatgate.errors import APIError
+from chatgate.finish import openai_finish_reason, with_finish_detail
 from chatgate.openai_api import (
     TurnStreamingResponse,
     gateway,
@@ -32,10 +33,6 @@ from engine import RequestOutput
 from engine.outputs import merge_outputs
 
 _encode = msgspec.json.Encoder().encode
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    return None if reason is None else (reason if reason == "length" else "stop")
 
 
 async def completions(request: Request) -> Response:
@@ -77,7 +74,7 @@ async def completions(request: Request) -> Response:
     finally:
         for turn in turns:
             turn.release()
-    choices = [body.choice(p, c.index, c.text, _finish_reason(c.finish_reason) or "stop")
+    choices = [body.choice(p, c.index, c.text, c.finish_reason or "stop")
                for p, final in enumerate(finals)
                for c in sorted(final.outputs, key=lambda c: c.index)]
     return JSONResponse({**body.head(), "choices": choices, "usage": _usage(turns)})
@@ -98,8 +95,11 @@ class _Body:
 
     def choice(self, prompt: int, index: int, text: str,
                finish_reason: str | None) -> dict[str, Any]:
-        return {"index": prompt * self.n + index, "text": text, "logprobs": None,
-                "finish_reason": finish_reason}
+        """A choice that ended for the engine's ``finish_reason`` (None: still going)."""
+        return with_finish_detail({"index": prompt * self.n + index, "text": text,
+                                   "logprobs": None,
+                                   "finish_reason": openai_finish_reason(finish_reason)},
+                                  finish_reason)
 
     def chunk(self, choices: list[dict[str, Any]], include_usage: bool,
               usage: dict[str, Any] | None = None) -> bytes:
@@ -168,8 +168,7 @@ async def _events(turns: list[Turn], body: _Body, include_usage: bool) -> AsyncI
                     if c.text:
                         yield body.chunk([body.choice(p, c.index, c.text, None)], include_usage)
                     if c.finish_reason is not None:
-                        yield body.chunk([body.choice(p, c.index, "",
-                                                      _finish_reason(c.finish_reason))],
+                        yield body.chunk([body.choice(p, c.index, "", c.finish_reason)],
                                          include_usage)
         if include_usage:
             yield body.chunk([], include_usage, _usage(turns))

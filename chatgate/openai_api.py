@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from chatgate.auth import authenticate
 from chatgate.body import parse_json
 from chatgate.errors import APIError, from_validation_error
+from chatgate.finish import openai_finish_reason, with_finish_detail
 from chatgate.openai_models import ChatCompletionRequest, CompletionRequest
 from chatgate.service import Gateway
 from chatgate.session_ids import HEADER, agreed_session_id
@@ -82,6 +83,7 @@ async def list_models(request: Request) -> Response:
             "root": gw.engine_model_name,
             "parent": None,
             "max_model_len": gw.max_model_len,
+            "default_max_tokens": gw.settings.max_tokens,
         }],
     })
 
@@ -91,7 +93,7 @@ def _finish_reason(reason: str | None, called: bool = False) -> str | None:
         return None
     if called:
         return "tool_calls"
-    return reason if reason in ("stop", "length") else "stop"
+    return openai_finish_reason(reason)
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -263,13 +265,13 @@ class _Completion:
                 message["content"], calls = self.tools.parse(c.text)
                 if calls:
                     message["tool_calls"] = [call.openai(i) for i, call in enumerate(calls)]
-            choices.append({
+            choices.append(with_finish_detail({
                 "index": c.index,
                 "message": message,
                 "logprobs": {"content": lp.entries(c.logprobs or []), "refusal": None}
                 if lp is not None else None,
                 "finish_reason": _finish_reason(c.finish_reason, bool(calls)) or "stop",
-            })
+            }, c.finish_reason))
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -356,9 +358,8 @@ async def _sse_events(turn: Turn, completion: _Completion,
                         yield chunk([choice(c.index, {"content": text}, None, c.logprobs)],
                                     include_usage)
                     if c.finish_reason is not None:
-                        yield chunk([choice(c.index, {}, _finish_reason(c.finish_reason,
-                                                                        called))],
-                                    include_usage)
+                        last = choice(c.index, {}, _finish_reason(c.finish_reason, called))
+                        yield chunk([with_finish_detail(last, c.finish_reason)], include_usage)
         if include_usage:
             yield chunk([], include_usage, turn.stats.usage())
     except APIError as e:  # reported in-band, as OpenAI does

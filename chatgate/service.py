@@ -114,8 +114,9 @@ class Gateway:
 
     def check_prompt(self, prompt_ids: list[int], max_tokens: int | None,
                      field: str = "messages") -> int:
-        """The ``max_tokens`` a turn runs with: as asked, or all the room the prompt leaves in
-        the context window when not asked. A prompt that leaves no room, or a ``max_tokens``
+        """The ``max_tokens`` a turn runs with: as asked, or when not asked the server's
+        default (``--max-tokens``) capped to the room the prompt leaves in the context window
+        (all that room without a default). A prompt that leaves no room, or a ``max_tokens``
         beyond the room, is a 400 ``context_length_exceeded`` naming ``field`` (one rule
         for HTTP and WebSocket, as OpenAI's API and vLLM refuse)."""
         n, limit = len(prompt_ids), self.max_model_len
@@ -123,7 +124,8 @@ class Gateway:
             raise context_error(n, limit, field=field)
         room = limit - n
         if max_tokens is None:
-            return room
+            default = self.settings.max_tokens
+            return room if default is None else min(default, room)
         if max_tokens > room:
             raise context_error(n, limit, max_tokens, field=field)
         return max_tokens

@@ -50,6 +50,15 @@ class Settings(BaseModel):
     body_timeout: float = Field(default=30.0, gt=0)
     send_timeout: float = Field(default=30.0, gt=0)
     max_stop_sequences: int = Field(default=4, ge=0)
+    max_tokens: int | None = Field(
+        default=256, ge=1,
+        description="the max_tokens of a request that leaves it unset, capped to the room "
+                    "its prompt leaves in the context window; 0 or none: all that room "
+                    "(vLLM's and OpenAI's rule)")
+    repetition_guard: bool = Field(
+        default=True,
+        description="end an answer whose tail is one n-gram repeated (48+ tokens, 3+ "
+                    "copies) with finish_reason length over HTTP, repetition over WebSocket")
     generation_config: Literal["auto", "vllm"] = "auto"
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 

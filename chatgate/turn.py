@@ -148,6 +148,7 @@ class Turn:
                 raise APIError(400, str(e), param=field, code="invalid_value") from None
         max_tokens = self.gw.check_prompt(self.prompt_ids, max_tokens, field)
         self.params = sampling_params(self.gw.sampling_defaults, max_tokens=max_tokens,
+                                      repetition_guard=self.gw.settings.repetition_guard,
                                       **sampling)
         assert self.gw.engine.info is not None
         try:  # what the engine would refuse, refused before anything is streamed

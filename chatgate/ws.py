@@ -18,6 +18,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from chatgate.body import parse_json
 from chatgate.errors import APIError, from_validation_error
+from chatgate.finish import REPETITION
 from chatgate.middleware import tokens_text
 from chatgate.openai_models import SESSION_ID_PATTERN, WSParams
 from chatgate.service import Gateway
@@ -274,7 +275,7 @@ class WSConnection:
                         c = out.outputs[0]
                         if c.text:
                             await self.send({"type": "delta", "text": c.text})
-                        if c.finish_reason in ("stop", "length"):
+                        if c.finish_reason in ("stop", "length", REPETITION):
                             finish = c.finish_reason
         except WebSocketDisconnect:
             log.debug("websocket client went away during a turn")

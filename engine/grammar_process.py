@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from engine.json_bounds import bounded_schema
+
 MAX_WHITESPACE = 16  # whitespace characters allowed between two JSON tokens
 ALL_ENDED = 0b11  # the signal word of a worker that exited: every wait for a job passes
 
@@ -67,7 +69,9 @@ def compile_json_schema(compiler: Any, schema: str) -> Any:
     ``compiler``."""
     # bounded whitespace between tokens: a weak model under a grammar that allows any amount
     # of it can fill max_tokens with blank lines and never close the object
-    return compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
+    # and bounded strings and numbers, for the same reason (``engine.json_bounds``)
+    return compiler.compile_json_schema(bounded_schema(schema),
+                                        max_whitespace_cnt=MAX_WHITESPACE)
 
 
 # xgrammar's batch calls, made straight into its core (on core matchers,

@@ -32,6 +32,7 @@ from engine.kv_transfer import KVTransfer
 from engine.loader import LoadedModel
 from engine.model_runner import build_runner, load_for_rank
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.repetition import loops
 from engine.request import Request
 from engine.sampler import draw, draw_key, plain, sample, shaped
 from engine.sampling_params import SamplingParams
@@ -439,6 +440,9 @@ class LLMEngine:
                 seq.finish_reason = "length"
             elif seq.matcher is not None and token_id in self._grammars().stop_token_ids:
                 seq.finish_reason = "stop"  # the grammar is complete
+            elif (params.repetition_guard and seq.matcher is None  # (a grammar bounds its own)
+                  and loops(seq.token_ids, seq.num_output_tokens)):
+                seq.finish_reason = "repetition"
         if seq.finish_reason is not None:
             if detok is not None and detok.stop_reason is None:
                 request.unsent_text[seq.index] += detok.flush()

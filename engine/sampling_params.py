@@ -26,6 +26,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     structured: StructuredOutput | None = None  # grammar-constrained output (JSON)
+    # end a sample stuck in a loop, its tail one n-gram repeated (``engine.repetition``),
+    # with finish_reason "repetition" (not one under a grammar: ``engine.json_bounds``)
+    repetition_guard: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
