@@ -1,16 +1,17 @@
-"""Default bounds on a JSON Schema's strings and numbers, so that grammar-constrained output
-cannot grow a value without end (a weak model fills ``max_tokens`` with ``1111…`` or a
-runaway string, and the JSON is cut unfinished). Only what the schema leaves open is bounded:
-its own ``maxLength``, ``maximum``, ``minimum``, ``pattern``, ``format``, ``enum`` and
-``const`` stand."""
+"""Default bounds on a JSON Schema's strings, numbers and arrays, so that grammar-constrained
+output cannot grow a value without end (a weak model fills ``max_tokens`` with ``1111…``, a
+runaway string or the same array item again and again, and the JSON is cut unfinished). Only
+what the schema leaves open is bounded: its own ``maxLength``, ``maximum``, ``minimum``,
+``maxItems``, ``pattern``, ``format``, ``enum`` and ``const`` stand."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-MAX_STRING_LENGTH = 128  # characters of a string without maxLength
+MAX_STRING_LENGTH = 64  # characters of a string without maxLength
 MAX_DIGITS = 15  # digits before the point of an integer/number without its own range
+MAX_ITEMS = 8  # items of an array without maxItems
 _LIMIT = 10**MAX_DIGITS - 1
 # keywords whose values are data, not schemas: left as they are
 _DATA = frozenset({"enum", "const", "default", "examples"})
@@ -35,6 +36,8 @@ def _bound(node: Any) -> Any:
             out["maximum"] = max(_LIMIT, out.get("minimum", out.get("exclusiveMinimum", 0)))
         if not {"minimum", "exclusiveMinimum"} & out.keys():
             out["minimum"] = min(-_LIMIT, out.get("maximum", out.get("exclusiveMaximum", 0)))
+    if "array" in types and "maxItems" not in out:
+        out["maxItems"] = max(MAX_ITEMS, out.get("minItems", 0), len(out.get("prefixItems", ())))
     return out
 
 

@@ -14,7 +14,7 @@ import websockets
 from chatgate_testlib import Server
 
 from chatgate.cli import build_parser, settings_from_args
-from engine.json_bounds import MAX_DIGITS, MAX_STRING_LENGTH
+from engine.json_bounds import MAX_DIGITS, MAX_ITEMS, MAX_STRING_LENGTH
 from engine.repetition import MIN_SPAN
 
 MODEL = "smollm2"
@@ -153,3 +153,10 @@ def test_an_unbounded_string_ends_within_its_default_length(server):
     value = schema_answer(server, 'Reply with the JSON {"s": "' + "1" * 300 + '"}',
                           {"s": {"type": "string"}}, max_tokens=MAX_STRING_LENGTH + 20)
     assert len(value["s"]) <= MAX_STRING_LENGTH
+
+
+def test_an_unbounded_array_ends_within_its_default_items(server):
+    value = schema_answer(server, 'Reply with the JSON {"a": [' + "1, " * 40 + "1]}",
+                          {"a": {"type": "array", "items": {"type": "integer"}}},
+                          max_tokens=MAX_ITEMS * 4 + 20)
+    assert len(value["a"]) <= MAX_ITEMS
