@@ -208,10 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     core = EngineCore(engine, inbox, outbox, args.parent_fd)
     core.run()
     engine.shutdown()
-    # Frozen objects are never collected, not even by the collection at interpreter exit:
-    # Triton's (torch imports it) would outlive its nanobind extension, which then prints
-    # "nanobind: leaked ..." for each. Unfrozen, that last collection frees them.
-    gc.unfreeze()
     inbox.close(linger=0)
     outbox.close()
     context.term()
@@ -219,4 +215,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    logging.shutdown()
+    # Leave without the interpreter's teardown: the process's memory goes with it, while the
+    # teardown would free the frozen objects (a whole model's) one by one, for seconds, and
+    # Triton's (torch imports it) would outlive its nanobind extension, which then prints
+    # "nanobind: leaked ..." for each.
+    os._exit(code)
