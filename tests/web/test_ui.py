@@ -16,13 +16,13 @@ import os
 import re
 
 import pytest
-from ui_testlib import CHROMIUM, CHROMIUM_ARGS, ROOT, get, serve
+from ui_testlib import CHROMIUM, ROOT, get, serve
 
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"{CHROMIUM} is absent: install Debian's chromium (apt-get install chromium) "
                 "to run the browser tests", allow_module_level=True)
 
-from playwright.sync_api import Page, WebSocketRoute, expect, sync_playwright  # noqa: E402
+from playwright.sync_api import Page, WebSocketRoute, expect  # noqa: E402
 
 SCREENSHOT = ROOT / "docs" / "screenshot.png"
 SCREENSHOT_PHONE = ROOT / "docs" / "screenshot-phone.png"
@@ -55,14 +55,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     tenants.write_text(f'[[tenants]]\nid = "ui"\napi_key_sha256 = ["{digest}"]\n')
     with serve(tmp, ["--tenants", str(tenants)]) as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 def _watch(page: Page) -> list[str]:

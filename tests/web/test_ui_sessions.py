@@ -11,14 +11,14 @@ import urllib.request
 import uuid
 
 import pytest
-from ui_testlib import CHROMIUM, CHROMIUM_ARGS, get, serve
+from ui_testlib import CHROMIUM, get, serve
 from websockets.sync.client import connect
 
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"{CHROMIUM} is absent: install Debian's chromium (apt-get install chromium) "
                 "to run the browser tests", allow_module_level=True)
 
-from playwright.sync_api import Page, Route, expect, sync_playwright  # noqa: E402
+from playwright.sync_api import Page, Route, expect  # noqa: E402
 
 GEN_TIMEOUT = 180_000  # ms: generous, the CPU may be shared
 
@@ -27,14 +27,6 @@ GEN_TIMEOUT = 180_000  # ms: generous, the CPU may be shared
 def server(tmp_path_factory: pytest.TempPathFactory):
     with serve(tmp_path_factory.mktemp("ui-open-server"), []) as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 def _api_chat(server: str, sid: str) -> None:
@@ -97,11 +89,15 @@ def test_the_sidebar_lists_this_browsers_chats_and_stats_survive_a_reload(server
     ctx.close()
 
 
-def _models_with(extra: dict):
-    """A /v1/models route handler that adds ``extra`` to the server's model object."""
+def _models_with(server: str, extra: dict):
+    """A /v1/models route handler: the server's answer, read once here, with ``extra`` added
+    to its model object (no fetch from the handler, which a page that navigates away while
+    it runs would cut)."""
+    status, body = get(f"{server}v1/models")
+    assert status == 200
+    body["data"][0].update(extra)
+
     def handle(route: Route) -> None:
-        body = route.fetch().json()
-        body["data"][0].update(extra)
         route.fulfill(json=body)
     return handle
 
@@ -115,7 +111,7 @@ def test_max_tokens_shows_the_default_and_sends_the_users_own(server: str, brows
                                                               placeholder: str) -> None:
     ctx = browser.new_context()
     page = ctx.new_page()
-    page.route("**/v1/models", _models_with(extra))
+    page.route("**/v1/models", _models_with(server, extra))
     sent: list[dict] = []
     page.on("websocket", lambda ws: ws.on(
         "framesent", lambda payload: sent.append(json.loads(payload))))
