@@ -57,6 +57,7 @@ class EngineCore:
         self._encoder = msgspec.msgpack.Encoder()
         self._stopping = False
         self.failed = False  # stopped because the engine cannot step again
+        self.orphaned = False  # stopped because the gateway process is gone
         self._pending = StepOutputs()
         self._stats_at = 0.0
         self._changed = False  # since the last stats snapshot
@@ -73,6 +74,7 @@ class EngineCore:
             events = dict(poller.poll(0 if busy else None))
             if self.parent_fd in events:
                 logger.warning("the gateway process is gone; the engine exits")
+                self.orphaned = True
                 return
             if any(fd in events for fd in workers):
                 self._stop_failed("a tensor-parallel worker exited")
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     core.run()
     engine.shutdown()
     inbox.close(linger=0)
-    outbox.close()
+    outbox.close(linger=0 if core.orphaned else None)  # nobody reads what is still queued
     context.term()
     return 1 if core.failed else 0
 

@@ -178,7 +178,8 @@ class GrammarWorker:
                 self._errors[answered] = error
 
     def close(self) -> None:
-        """Stop the worker (it exits when its end of the socket closes) and unlock the shared
+        """Stop the worker (killed: it holds nothing to save, and one still importing would only
+        see its socket close once its imports are done, seconds later) and unlock the shared
         memory (no copy out of it may still be queued); also done when this is collected."""
         self._close()
 
@@ -191,11 +192,8 @@ class GrammarWorker:
 
 def _close(conn: Connection, proc: subprocess.Popen[bytes], pinned: list[torch.Tensor]) -> None:
     conn.close()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    proc.kill()
+    proc.wait()
     while pinned:
         unregister_host_memory(pinned.pop())
 
