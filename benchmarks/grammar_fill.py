@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     import xgrammar as xgr
 
     from engine.loader import load_tokenizer
-    from engine.structured import GrammarCompiler, StructuredOutput
+    from engine.structured import GrammarCompiler
+    from engine.structured_output import StructuredOutput
 
     tokenizer = load_tokenizer("smollm2", tokenizer=args.tokenizer)
     grammars = GrammarCompiler(tokenizer, len(tokenizer), torch.device("cpu"))

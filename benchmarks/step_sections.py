@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.structured import StructuredOutput
+    from engine.structured_output import StructuredOutput
 
     llm = LLM(args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
               async_scheduling=True)

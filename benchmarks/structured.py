@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     log, stem = open_log(args.out, "structured", args.quick, argv)  # creates args.out
 
     from engine import LLM, SamplingParams
-    from engine.structured import StructuredOutput
+    from engine.structured_output import StructuredOutput
 
     llm = LLM(args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype)
     convs = conversations(args.num_requests)

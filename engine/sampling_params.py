@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from engine.structured import StructuredOutput
+from engine.structured_output import StructuredOutput
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.grammar_worker import GrammarWorker, MaskJob
 from engine.inflight import PLACEHOLDER
-from engine.structured import StructuredOutput
+from engine.structured_output import StructuredOutput
 
 CITY = StructuredOutput(json_schema=json.dumps(
     {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.structured import GrammarCompiler, StructuredOutput
+from engine.structured import GrammarCompiler
+from engine.structured_output import StructuredOutput
 
 pytest.importorskip("xgrammar")
 
