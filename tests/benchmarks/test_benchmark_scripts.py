@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -98,14 +97,6 @@ def test_gpu_e2e_cpu_smoke(tmp_path, tiny_model, capsys, monkeypatch):
     assert (tmp_path / "gpu_e2e.png").stat().st_size > 0
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
-def test_decode_power_refuses_without_cuda(monkeypatch):
-    """The GPU-only script imports cleanly and says why it cannot run here."""
-    monkeypatch.setattr(sys, "argv", ["decode_power.py"])
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        _load("decode_power").main()
-
-
 def test_gpu_serving_quick(tmp_path, tiny_model, capsys):
     """The serving benchmark's every path on CPU: direct, SSE and WebSocket through a real
     ``chatgate serve``, and the multi-turn run with and without session_id; every request
@@ -137,27 +128,6 @@ def test_structured_quick(tmp_path, tiny_model, capsys):
     _check(tmp_path, "structured_quick", capsys, "(a) JSON schema", "vs (b)")
 
 
-def test_step_sections_quick(tmp_path, tiny_model, capsys):
-    pytest.importorskip("xgrammar")
-    assert _load("step_sections").main(["--quick", "--model", tiny_model, "--out",
-                                        str(tmp_path)]) == 0
-    text = (tmp_path / "step_sections_quick.txt").read_text()
-    assert "(b) free eager" in capsys.readouterr().out
-    for section in ("(a) schema graphs", "submit(job)", "wait(job)", "_masks", "execute",
-                    "schedule",
-                    "reads of tokens over 1 ms"):
-        assert section in text, section
-
-
-def test_grammar_fill_quick(tmp_path, tiny_model, capsys):
-    pytest.importorskip("xgrammar")
-    assert _load("grammar_fill").main(["--quick", "--out", str(tmp_path)]) == 0
-    _check(tmp_path, "grammar_fill_quick", capsys, "xgrammar wrappers, beside a busy thread",
-           "engine (core calls), alone")
-    raw = json.loads((tmp_path / "grammar_fill_quick.json").read_text())
-    assert len(raw["results"]) == 4 and raw["num_matchers"] == 4
-
-
 def test_quantization_quick(tmp_path, tiny_model, capsys):
     assert _load("quantization").main(["--quick", "--model", tiny_model, "--out",
                                        str(tmp_path)]) == 0
@@ -179,37 +149,6 @@ def test_tensor_parallel_quick(tmp_path, tiny_model, capsys):
     raw = json.loads((tmp_path / "tensor_parallel_quick.json").read_text())
     assert raw["correctness"] == {"equal": 2, "prompts": 2}
     assert raw["throughput"]["output_tokens"] > 0
-
-
-def test_fp8_decode_variants_kernels_match_production():
-    """The probe's kernels give the production FP8 decode output, so its timings compare the
-    same attention: transposed value pages (keys token-major or head-major, one or two pages
-    per tile), and pages fetched through tensor descriptors (values as stored or transposed)."""
-    mod = _load("fp8_decode_variants")
-    from chatgate_kernels import triton_attention
-
-    gen = torch.Generator().manual_seed(0)
-    batch, ctx = 2, 64
-    blocks = batch * ctx // mod.BS + 1
-    shape = (blocks, mod.BS, mod.HKV, mod.D)
-    key = torch.randn(shape, generator=gen).to(torch.float8_e4m3fn)
-    value = torch.randn(shape, generator=gen).to(torch.float8_e4m3fn)
-    tables = (torch.randperm(blocks - 1, generator=gen) + 1).view(batch, -1).to(torch.int32)
-    query = torch.randn(batch, mod.HQ, mod.D, generator=gen).to(torch.bfloat16)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
-    qsl = torch.arange(batch + 1, dtype=torch.int32)
-    want = triton_attention.paged_attention(query, key, value, tables, seq_lens, qsl, mod.SCALE,
-                                            1, ctx, k_scale=mod.K_SCALE, v_scale=mod.V_SCALE)
-    value_t = value.permute(0, 2, 3, 1).contiguous()
-    head_major_key = key.transpose(1, 2).contiguous().transpose(1, 2)
-    for k, pages in ((key, 1), (head_major_key, 1), (key, 2), (head_major_key, 2)):
-        out = torch.empty_like(query)
-        mod.decode_vt(query, k, value_t, tables, seq_lens, out, num_stages=5, pages=pages)
-        torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=1e-2 * want.abs().max())
-    for values, transposed in ((value, False), (value_t, True)):
-        out = torch.empty_like(query)
-        mod.decode_tma(query, key, values, tables, seq_lens, out, 5, transposed)()
-        torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=1e-2 * want.abs().max())
 
 
 def test_overlap_floor_lies_between_the_flop_floor_and_the_serial_floor(tiny_model):
