@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks._common import DEFAULT_OUT, open_log, percentile, plt, ratio, table  # noqa: E402
+from benchmarks._common import add_out_argument, open_log, percentile, plt, ratio, table  # noqa: E402
 
 TARGETS = {"ttft": 0.25, "prefill": 0.2, "decode": 0.95}
 
@@ -166,7 +166,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--h200", action="store_true",
                     help="one H200: dummy:llama-3.1-8b bf16, 128 sessions with 2,000-token "
                          "histories x 4 turns, a pool for 16 sessions, 48 GiB host tier")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     preset = "quick" if args.quick else "h200" if args.h200 else None
     if preset is not None:
@@ -202,10 +202,11 @@ def run_all(args, log) -> dict:
     import torch
 
     from engine.config import EngineConfig
+    from engine.device import torch_device, torch_dtype
     from engine.loader import load_model
 
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype)
-    loaded = load_model(args.model, config.torch_device, config.torch_dtype, seed=args.seed)
+    loaded = load_model(args.model, torch_device(config), torch_dtype(config), seed=args.seed)
     small = args.fit_sessions * _session_blocks(args)
     raw: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "pool_blocks": small}
     for name, gib in (("off", 0.0), ("on", args.kv_offloading_size)):

@@ -39,7 +39,7 @@ from chatgate.sessions import SessionStore, is_store_error, make_store
 from chatgate.settings import Settings
 from chatgate.tenants import TenantRegistry
 from chatgate.ws import ws_endpoint
-from engine import AsyncEngine
+from engine.client import AsyncEngine
 
 log = logging.getLogger("chatgate")
 

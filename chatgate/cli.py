@@ -17,8 +17,7 @@ from pydantic import ValidationError
 
 from chatgate.settings import Settings
 from chatgate.tenants import hash_api_key
-from engine.config import EngineConfig
-from engine.logs import configure_logging, logging_config
+from engine.client import EngineConfig, configure_logging, logging_config
 
 log = logging.getLogger("chatgate")
 

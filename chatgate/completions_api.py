@@ -29,8 +29,7 @@ from chatgate.openai_api import (
 )
 from chatgate.openai_models import CompletionRequest
 from chatgate.turn import Turn
-from engine import RequestOutput
-from engine.outputs import merge_outputs
+from engine.client import RequestOutput, merge_outputs
 
 _encode = msgspec.json.Encoder().encode
 

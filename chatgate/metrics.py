@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine import EngineStats
+from engine.client import EngineStats
 
 PREFIX = "chatgate:"
 LABELS = ["model_name", "replica"]  # every series names the model and the gateway replica

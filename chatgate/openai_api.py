@@ -33,9 +33,7 @@ from chatgate.service import Gateway
 from chatgate.session_ids import HEADER, agreed_session_id
 from chatgate.tools import CallParser, may_start_call
 from chatgate.turn import Turn
-from engine import RequestOutput, TokenLogprob
-from engine.chat import supports_tools
-from engine.outputs import merge_outputs
+from engine.client import RequestOutput, TokenLogprob, merge_outputs, supports_tools
 
 log = logging.getLogger("chatgate")
 

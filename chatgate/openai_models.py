@@ -17,7 +17,7 @@ from pydantic import (
 
 from chatgate import tools
 from chatgate.tools import NamedToolChoice, ToolCall, ToolChoice, ToolDefinition
-from engine.structured_output import StructuredOutput
+from engine.client import StructuredOutput
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
 

@@ -19,7 +19,7 @@ from chatgate.ratelimit import RateLimited, RateLimiter
 from chatgate.sessions import SessionStore
 from chatgate.settings import Settings
 from chatgate.tenants import Tenant, TenantRegistry
-from engine import AsyncEngine, SamplingParams
+from engine.client import AsyncEngine, SamplingParams
 
 log = logging.getLogger("chatgate")
 

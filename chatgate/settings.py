@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.config import EngineConfig
+from engine.client import EngineConfig
 
 # Server secrets that are public (docker-compose.yml's default): per-tenant cache salts derived
 # from one are known to anyone who reads the repository.

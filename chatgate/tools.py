@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.structured_output import StructuredOutput
+from engine.client import StructuredOutput
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

@@ -21,7 +21,7 @@ from typing import Any
 from chatgate.errors import APIError
 from chatgate.service import Gateway, engine_unavailable
 from chatgate.tenants import Tenant
-from engine import EngineDeadError, EngineStepError, RequestOutput, SamplingParams
+from engine.client import EngineDeadError, EngineStepError, RequestOutput, SamplingParams
 
 log = logging.getLogger("chatgate")
 

@@ -1,13 +1,25 @@
 """chatgate's inference engine: paged KV cache, prefix caching, pinned sessions, continuous
-batching and a Llama-family model runner. Knows tokens and blocks, nothing about HTTP."""
+batching and a Llama-family model runner. Knows tokens and blocks, nothing about HTTP.
 
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineStartupError, EngineStepError
-from engine.config import EngineConfig
-from engine.info import EngineInfo
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+The package face is ``engine.client``'s (torch-free); ``LLM``, the offline engine, is imported
+on first use (``from engine import LLM`` loads torch and the kernels, ``import engine`` does
+not)."""
+
+from typing import Any
+
+from engine.client import (
+    AsyncEngine,
+    CompletionOutput,
+    EngineConfig,
+    EngineDeadError,
+    EngineInfo,
+    EngineStartupError,
+    EngineStats,
+    EngineStepError,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 
 __all__ = [
     "LLM",
@@ -23,3 +35,10 @@ __all__ = [
     "SamplingParams",
     "TokenLogprob",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from engine.llm import LLM  # noqa: PLC0415 (torch and the kernels, on first use)
+        return LLM
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

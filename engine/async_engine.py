@@ -44,11 +44,11 @@ from engine.ipc import (
     UnpinSession,
     client_decoder,
 )
-from engine.loader import load_tokenizer
 from engine.logs import child_environment
 from engine.outputs import RequestOutput, merge_outputs
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
+from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger("engine.async")
 

@@ -4,18 +4,17 @@
 it, the gateway validates ``chatgate serve``'s engine settings as it (pydantic reads the
 dataclass), and the CLI derives one flag per field whose metadata has a ``help`` (the flag is
 the field's name with dashes: ``max_num_seqs`` -> ``--max-num-seqs``; ``choices`` restricts it).
+Plain data (no torch): the engine process resolves device and dtype (``engine.device``).
 """
 
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from engine.quantization import CHOICES as QUANTIZATION_CHOICES
-
 BLOCK_SIZES = (8, 16, 32)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# dtype names; ``engine.device.torch_dtype`` maps them to torch dtypes
+DTYPES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
+# ``engine.quantization.CHOICES``, named here so that the config imports no torch
+QUANTIZATION_CHOICES = ("int8", "int4", "fp8", "auto", "none")
 # KV cache element types (vLLM's names): "auto" is the model's dtype; "fp8" (or "fp8_e4m3")
 # stores float8_e4m3fn codes with one K and one V scale per layer.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -132,15 +131,3 @@ class EngineConfig:
             raise ValueError(
                 f"pin_budget_fraction must be in [0, 1], got {self.pin_budget_fraction}"
             )
-
-    @property
-    def torch_device(self) -> torch.device:
-        if self.device is not None:
-            return torch.device(self.device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype is not None:
-            return DTYPES[self.dtype]
-        return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32

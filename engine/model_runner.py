@@ -27,6 +27,7 @@ import torch
 
 import chatgate_kernels
 from engine.config import EngineConfig
+from engine.device import torch_device, torch_dtype
 from engine.loader import LoadedModel, load_model
 from engine.model import AttentionMetadata, LlamaModel
 from engine.scheduler import ScheduledBatch
@@ -72,8 +73,8 @@ def load_for_rank(config: EngineConfig, rank: int = 0) -> LoadedModel:
     """``config.model`` loaded onto rank ``rank``'s device: its share of the weights when
     ``config.tensor_parallel_size`` > 1 (``ValueError`` if the model's sizes do not split)."""
     world_size = config.tensor_parallel_size
-    return load_model(config.model, device_for_rank(config.torch_device, rank),
-                      config.torch_dtype, seed=config.seed, use_cache=config.use_weight_cache,
+    return load_model(config.model, device_for_rank(torch_device(config), rank),
+                      torch_dtype(config), seed=config.seed, use_cache=config.use_weight_cache,
                       tokenizer=config.tokenizer,
                       shard=Shard(rank, world_size) if world_size > 1 else None)
 

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
+from engine.device import torch_device
+
 logger = logging.getLogger("engine.tensor_parallel")
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # a peer that stopped answering
@@ -180,7 +182,7 @@ def start_workers(config: Any) -> TensorParallel:
                for rank in range(1, world_size)]
     for proc in workers:
         proc.start()
-    tp = join_group(0, world_size, init_method, device_for_rank(config.torch_device, 0))
+    tp = join_group(0, world_size, init_method, device_for_rank(torch_device(config), 0))
     tp.workers = workers
     logger.info("tensor parallel: %d ranks (%s)", world_size, dist.get_backend())
     return tp
@@ -193,7 +195,7 @@ def _worker_main(config: Any, rank: int, init_method: str) -> None:
     logging.basicConfig(level=logging.WARNING,
                         format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
     tp = join_group(rank, config.tensor_parallel_size, init_method,
-                    device_for_rank(config.torch_device, rank))
+                    device_for_rank(torch_device(config), rank))
     runner = build_runner(config, tp)
     try:
         while True:

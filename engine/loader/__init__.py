@@ -15,37 +15,37 @@ when ``config.tie_word_embeddings``), every tensor is contiguous on ``device`` i
 q/k projections are in HF layout (transformers already undoes llama.cpp's GGUF permutation).
 
 One module per source: ``gguf`` (with the conversion cache), ``hf_folder``, ``dummy``; ``common``
-holds what they share.
+holds what they share; tokenizers, the cache folder and the SmolLM2 GGUF are ``engine.tokenizer``'s
+(torch-free, for the gateway process; ``load_tokenizer`` is re-exported here).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from engine.loader.common import (
-    DEFAULT_MODEL,
-    LoadedModel,
-    ModelPackageMissingError,
-    build_hf_model,
-)
-from engine.loader.dummy import DUMMY_PREFIX, PRESETS, dummy_config, load_dummy
-from engine.loader.gguf import (
-    CACHE_DIR_ENV,
-    SMOLLM2_INSTALL_HINT,
-    cache_root,
-    cached_gguf_tokenizer,
-    gguf_cache_dir,
-    load_gguf,
-    smollm2_gguf_path,
-)
-from engine.loader.hf_folder import folder_tokenizer, load_folder, tokenizer_folder
+from engine.loader.common import LoadedModel, build_hf_model
+from engine.loader.dummy import PRESETS, dummy_config, load_dummy
+from engine.loader.gguf import load_gguf
+from engine.loader.hf_folder import load_folder
 from engine.tensor_parallel import Shard, check_divisible
+from engine.tokenizer import (
+    CACHE_DIR_ENV,
+    DEFAULT_MODEL,
+    DUMMY_PREFIX,
+    NO_CACHE_ENV,
+    SMOLLM2_INSTALL_HINT,
+    ModelPackageMissingError,
+    cache_enabled,
+    cache_root,
+    gguf_cache_dir,
+    load_tokenizer,
+    smollm2_gguf_path,
+    tokenizer_folder,
+)
 
 __all__ = [
     "CACHE_DIR_ENV", "DEFAULT_MODEL", "DUMMY_PREFIX", "NO_CACHE_ENV", "PRESETS",
@@ -55,8 +55,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("engine.loader")
-
-NO_CACHE_ENV = "CHATGATE_NO_WEIGHT_CACHE"
 
 
 def _accepted_forms() -> str:
@@ -77,7 +75,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, *, seed: in
     model's sizes do not split; a dummy model is generated tensor by tensor and cut at once).
     """
     device = torch.device(device)
-    use_cache = _cache_enabled(use_cache)
+    use_cache = cache_enabled(use_cache)
     start = time.perf_counter()
     if model.startswith(DUMMY_PREFIX):
         loaded = load_dummy(model, device, dtype, seed, use_cache, shard)
@@ -105,29 +103,3 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, *, seed: in
                 type(loaded.config).__name__, len(loaded.state_dict), device, dtype,
                 time.perf_counter() - start)
     return loaded
-
-
-def _cache_enabled(use_cache: bool) -> bool:
-    return use_cache and os.environ.get(NO_CACHE_ENV, "").lower() not in ("1", "true", "yes")
-
-
-def load_tokenizer(model: str, *, use_cache: bool = True,
-                   tokenizer: str | None = None) -> PreTrainedTokenizerBase | None:
-    """The tokenizer ``load_model(model, tokenizer=tokenizer)`` would give, without loading any
-    weights (for a process that renders prompts while another one runs the model)."""
-    use_cache = _cache_enabled(use_cache)
-    if tokenizer is not None:
-        return tokenizer_folder(tokenizer)
-    if model.startswith(DUMMY_PREFIX):
-        try:
-            return cached_gguf_tokenizer(smollm2_gguf_path(), use_cache)
-        except ModelPackageMissingError:
-            return None
-    if model == DEFAULT_MODEL:
-        return cached_gguf_tokenizer(smollm2_gguf_path(), use_cache)
-    if model.endswith(".gguf") and Path(model).expanduser().is_file():
-        return cached_gguf_tokenizer(Path(model).expanduser(), use_cache)
-    if (Path(model).expanduser() / "config.json").is_file():
-        return folder_tokenizer(Path(model).expanduser())
-    raise ValueError(f"model={model!r} is not a known model name or an existing model "
-                     f"path; {_accepted_forms()}")

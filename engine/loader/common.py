@@ -18,13 +18,12 @@ from transformers import (
 
 from engine.generation_config import GenerationDefaults
 from engine.tensor_parallel import Shard
+from engine.tokenizer import DEFAULT_MODEL, ModelPackageMissingError
 
-DEFAULT_MODEL = "smollm2"
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelPackageMissingError", "build_hf_model",
+           "check_model_type", "expected_shapes", "finalize"]
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-class ModelPackageMissingError(ValueError):
-    """The pip package that ships a model's weights is not installed."""
 
 
 @dataclass

@@ -12,19 +12,17 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from engine.loader.common import (
-    SUPPORTED_MODEL_TYPES,
-    LoadedModel,
-    ModelPackageMissingError,
-    expected_shapes,
-    finalize,
-)
-from engine.loader.gguf import cached_gguf_tokenizer, smollm2_gguf_path
+from engine.loader.common import SUPPORTED_MODEL_TYPES, LoadedModel, expected_shapes, finalize
 from engine.tensor_parallel import Shard, check_divisible
+from engine.tokenizer import (
+    DUMMY_PREFIX,
+    ModelPackageMissingError,
+    cached_gguf_tokenizer,
+    smollm2_gguf_path,
+)
 
 logger = logging.getLogger("engine.loader")
 
-DUMMY_PREFIX = "dummy:"
 INIT_STD = 0.02
 
 _LLAMA3_ROPE_8K = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -7,10 +7,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig
 
 from engine.generation_config import read_generation_config
 from engine.loader.common import LoadedModel, check_model_type, finalize
+from engine.tokenizer import folder_tokenizer
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -26,21 +27,6 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
                 tensors[key] = handle.get_tensor(key)
                 bar.update()
     return tensors
-
-
-def tokenizer_folder(path: str) -> PreTrainedTokenizerBase:
-    tokenizer = folder_tokenizer(Path(path).expanduser())
-    if tokenizer is None:
-        raise ValueError(f"tokenizer={path!r} is not a folder with tokenizer files "
-                         "(tokenizer.json, tokenizer_config.json or tokenizer.model)")
-    return tokenizer
-
-
-def folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase | None:
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                  "tokenizer.model")):
-        return None
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 def load_folder(name: str, folder: Path, device: torch.device,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from engine import loader
+from engine import loader, tokenizer
 from engine.loader import (
     LoadedModel,
     ModelPackageMissingError,
@@ -96,7 +96,7 @@ def test_second_load_hits_cache(smol: LoadedModel, cache_dir: Path,
     assert (entry / "tokenizer" / "tokenizer.json").is_file()
     assert not [p for p in cache_dir.rglob("*") if ".tmp-" in p.name]
     monkeypatch.setattr(gguf, "convert_gguf", _forbid)
-    monkeypatch.setattr(gguf, "gguf_tokenizer", _forbid)
+    monkeypatch.setattr(tokenizer, "gguf_tokenizer", _forbid)
     with caplog.at_level(logging.INFO, logger="engine.loader"):
         again = load_model("smollm2", CPU, F32)
     assert "weight cache hit" in caplog.text
@@ -117,12 +117,12 @@ def test_cache_off_reads_gguf_and_writes_nothing(smol: LoadedModel, tmp_path: Pa
         calls.append("weights")
         return copy.deepcopy(smol.config), dict(smol.state_dict)
 
-    def tokenizer(gguf: Path) -> object:
+    def read_tokenizer(gguf: Path) -> object:
         calls.append("tokenizer")
         return smol.tokenizer
 
     monkeypatch.setattr(gguf, "convert_gguf", convert)
-    monkeypatch.setattr(gguf, "gguf_tokenizer", tokenizer)
+    monkeypatch.setattr(tokenizer, "gguf_tokenizer", read_tokenizer)
     if via_env:  # the default cache is populated: it must still be bypassed
         monkeypatch.setenv(loader.NO_CACHE_ENV, "1")
         fresh = load_model("smollm2", CPU, F32)
