@@ -76,9 +76,6 @@ class Gateway:
     def accepts_model(self, model: str) -> bool:
         return model in {self.model_name, self.engine_model_name}
 
-    def engine_session_id(self, tenant: Tenant, session_id: str) -> str:
-        return self.tenants.engine_session_id(tenant, session_id)
-
     def check_engine(self) -> None:
         """503 once the engine process is gone."""
         if self.engine.dead is not None:

@@ -57,7 +57,7 @@ async def delete_session(request: Request) -> Response:
     tenant = authenticate(request, gw.tenants)
     sid = _session_id(request)
     existed = await gw.store.delete(tenant.id, sid)
-    released = await gw.unpin_session(gw.engine_session_id(tenant, sid))
+    released = await gw.unpin_session(gw.tenants.engine_session_id(tenant, sid))
     if not existed and not released:
         raise APIError(404, f"No session '{sid}'.", code="session_not_found")
     return JSONResponse({"id": sid, "deleted": True})

@@ -105,4 +105,5 @@ class TenantRegistry:
 
     @staticmethod
     def engine_session_id(tenant: Tenant, session_id: str) -> str:
+        """The engine's name of a tenant's session: tenants' session ids never collide."""
         return f"{tenant.id}:{session_id}"

@@ -316,7 +316,7 @@ class WSConnection:
         assert self.tenant is not None
         sid = self.session.id
         await self.gw.store.delete(self.tenant.id, sid)
-        await self.gw.unpin_session(self.gw.engine_session_id(self.tenant, sid))
+        await self.gw.unpin_session(self.gw.tenants.engine_session_id(self.tenant, sid))
         self.session = None
         await self.send({"type": "session.closed", "id": sid})
 
