@@ -10,10 +10,11 @@ import os
 import signal
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from chatgate.settings import Settings
 from chatgate.tenants import hash_api_key
@@ -42,11 +43,11 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                                choices=f.metadata.get("choices"))
 
 
-def _add_settings_flag(group: argparse._ArgumentGroup, name: str, **kwargs: typing.Any) -> None:
-    """The flag of ``Settings`` field ``name``: its default and its description as help."""
-    field = Settings.model_fields[name]
-    group.add_argument("--" + name.replace("_", "-"), default=field.default,
-                       help=field.description, **kwargs)
+# What only the command line adds to a ``Settings`` field: another flag name, an environment
+# variable as the flag's default, another parser of the flag's text
+FLAG_NAMES = {"tenants_file": "--tenants"}
+ENV_DEFAULTS = {"redis_url": "REDIS_URL", "server_secret": "CHATGATE_SECRET"}
+METAVARS = {"tenants_file": "FILE", "max_tokens": "N"}
 
 
 def _max_tokens_flag(value: str) -> int | None:
@@ -59,47 +60,40 @@ def _max_tokens_flag(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"not a token count or none: {value!r}") from None
 
 
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    e = p.add_argument_group("engine (vLLM's flags)")
-    _add_engine_args(e)
+FLAG_TYPES: dict[str, Callable[[str], typing.Any]] = {"max_tokens": _max_tokens_flag}
 
-    g = p.add_argument_group("gateway")
-    g.add_argument("--served-model-name", default=None,
-                   help="model id shown by /v1/models and accepted in requests")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--replica-id", default=None,
-                   help="this gateway's name in the X-Chatgate-Replica header and the "
-                        "metrics' replica label (default: the hostname)")
-    g.add_argument("--redis-url", default=os.environ.get("REDIS_URL") or None,
-                   help="session store; default $REDIS_URL, else the in-process store")
-    g.add_argument("--redis-prefix", default="chatgate", help="Redis key prefix")
-    g.add_argument("--tenants", default=None, metavar="FILE",
-                   help="tenants TOML (API key hashes, limits); default: one open tenant")
-    g.add_argument("--server-secret", default=os.environ.get("CHATGATE_SECRET") or None,
-                   help="secret for per-tenant cache salts; default $CHATGATE_SECRET or random")
-    g.add_argument("--session-ttl", type=float, default=7 * 24 * 3600.0,
-                   help="seconds a session's history is kept after its last use")
-    g.add_argument("--session-idle-unpin", type=float, default=600.0,
-                   help="seconds after which an idle session's KV blocks are unpinned")
-    g.add_argument("--allowed-origins", default="",
-                   help="comma-separated browser Origins allowed on every endpoint and for CORS "
-                        "('*' = any); default: same origin only (others get 403)")
-    g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024)
-    g.add_argument("--ws-max-message-bytes", type=int, default=1024 * 1024)
-    g.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a client has to send its whole request body (else 408)")
-    g.add_argument("--send-timeout", type=float, default=30.0,
-                   help="seconds a client may leave a response chunk unread before the "
-                        "connection is dropped and its request aborted")
-    g.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
-                   help="sampling defaults for what a request leaves unset: auto (the model's "
-                        "recommended ones, else vllm's) or vllm (temperature 1, top_p 1, no "
-                        "top_k)")
-    _add_settings_flag(g, "max_tokens", type=_max_tokens_flag, metavar="N")
-    _add_settings_flag(g, "repetition_guard", action=argparse.BooleanOptionalAction)
-    g.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+
+def settings_flags() -> dict[str, FieldInfo]:
+    """The ``Settings`` fields ``chatgate serve`` exposes (those with a ``description``)."""
+    return {name: f for name, f in Settings.model_fields.items() if f.description}
+
+
+def _add_settings_args(group: argparse._ArgumentGroup) -> None:
+    """One flag per exposed ``Settings`` field: its description as help; its default, or
+    None (the field's own factory decides) where the default is computed."""
+    for name, f in settings_flags().items():
+        flag = FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+        default = None if f.default_factory is not None else f.default
+        if name in ENV_DEFAULTS:
+            default = os.environ.get(ENV_DEFAULTS[name]) or default
+        kinds = [a for a in typing.get_args(f.annotation) if a is not type(None)]
+        kind = kinds[0] if kinds else f.annotation
+        kwargs: dict[str, typing.Any] = {"dest": name, "default": default,
+                                         "help": f.description}
+        if name in METAVARS:
+            kwargs["metavar"] = METAVARS[name]
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(f.annotation) is typing.Literal:
+            kwargs["choices"] = typing.get_args(f.annotation)
+        else:
+            kwargs["type"] = FLAG_TYPES.get(name, kind if kind in (int, float) else str)
+        group.add_argument(flag, **kwargs)
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    _add_engine_args(p.add_argument_group("engine (vLLM's flags)"))
+    _add_settings_args(p.add_argument_group("gateway"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,22 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
+    """``Settings`` from parsed flags; a computed default (None here) is left to the field."""
     engine = {f.name: getattr(args, f.name) for f in engine_flags()}
-    kw = dict(
-        host=args.host, port=args.port, engine=engine, served_model_name=args.served_model_name,
-        redis_url=args.redis_url, redis_prefix=args.redis_prefix, tenants_file=args.tenants,
-        session_ttl=args.session_ttl, session_idle_unpin=args.session_idle_unpin,
-        allowed_origins=args.allowed_origins, max_request_bytes=args.max_request_bytes,
-        ws_max_message_bytes=args.ws_max_message_bytes, body_timeout=args.body_timeout,
-        send_timeout=args.send_timeout, generation_config=args.generation_config,
-        max_tokens=args.max_tokens, repetition_guard=args.repetition_guard,
-        log_level=args.log_level,
-    )
-    if args.server_secret:
-        kw["server_secret"] = args.server_secret
-    if args.replica_id:
-        kw["replica_id"] = args.replica_id
-    return Settings(**kw)
+    gateway = {name: getattr(args, name) for name in settings_flags()
+               if not (getattr(args, name) is None and
+                       Settings.model_fields[name].default_factory is not None)}
+    return Settings(engine=engine, **gateway)
 
 
 def serve(settings: Settings) -> int:

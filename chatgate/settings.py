@@ -25,31 +25,56 @@ PLACEHOLDER_SECRETS = frozenset({"change-me-to-a-long-random-secret"})
 
 
 class Settings(BaseModel):
-    """Everything ``chatgate serve`` can be told."""
+    """Everything ``chatgate serve`` can be told: the one declaration of the gateway's
+    defaults and help texts. The CLI derives one flag per field with a ``description``
+    (``chatgate.cli``), as it derives the engine's from ``EngineConfig``."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    replica_id: str = Field(default_factory=socket.gethostname,
-                            pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    host: str = Field(default="127.0.0.1", description="address to listen on")
+    port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
+    replica_id: str = Field(
+        default_factory=socket.gethostname, pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
+        description="this gateway's name in the X-Chatgate-Replica header and the metrics' "
+                    "replica label (default: the hostname)")
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    served_model_name: str | None = None
+    served_model_name: str | None = Field(
+        default=None, description="model id shown by /v1/models and accepted in requests")
 
-    redis_url: str | None = None
-    redis_prefix: str = Field(default="chatgate", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
-    tenants_file: Path | None = None
-    server_secret: str = Field(default_factory=lambda: secrets.token_hex(32), min_length=16)
+    redis_url: str | None = Field(
+        default=None, description="session store; default $REDIS_URL, else the in-process "
+                                  "store")
+    redis_prefix: str = Field(default="chatgate", pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
+                              description="Redis key prefix")
+    tenants_file: Path | None = Field(
+        default=None, description="tenants TOML (API key hashes, limits); default: one open "
+                                  "tenant")
+    server_secret: str = Field(
+        default_factory=lambda: secrets.token_hex(32), min_length=16,
+        description="secret for per-tenant cache salts; default $CHATGATE_SECRET or random")
 
-    session_ttl: float = Field(default=7 * 24 * 3600.0, gt=0)
-    session_idle_unpin: float = Field(default=600.0, gt=0)
-    allowed_origins: list[str] = Field(default_factory=list)
+    session_ttl: float = Field(
+        default=7 * 24 * 3600.0, gt=0,
+        description="seconds a session's history is kept after its last use")
+    session_idle_unpin: float = Field(
+        default=600.0, gt=0,
+        description="seconds after which an idle session's KV blocks are unpinned")
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="comma-separated browser Origins allowed on every endpoint and for CORS "
+                    "('*' = any); default: same origin only (others get 403)")
 
-    max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    ws_max_message_bytes: int = Field(default=1024 * 1024, ge=1024)
-    body_timeout: float = Field(default=30.0, gt=0)
-    send_timeout: float = Field(default=30.0, gt=0)
-    max_stop_sequences: int = Field(default=4, ge=0)
+    max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024,
+                                   description="largest HTTP request body (else 413)")
+    ws_max_message_bytes: int = Field(default=1024 * 1024, ge=1024,
+                                      description="largest WebSocket message")
+    body_timeout: float = Field(
+        default=30.0, gt=0,
+        description="seconds a client has to send its whole request body (else 408)")
+    send_timeout: float = Field(
+        default=30.0, gt=0,
+        description="seconds a client may leave a response chunk unread before the "
+                    "connection is dropped and its request aborted")
     max_tokens: int | None = Field(
         default=256, ge=1,
         description="the max_tokens of a request that leaves it unset, capped to the room "
@@ -59,8 +84,13 @@ class Settings(BaseModel):
         default=True,
         description="end an answer whose tail is one n-gram repeated (48+ tokens, 3+ "
                     "copies) with finish_reason length over HTTP, repetition over WebSocket")
-    generation_config: Literal["auto", "vllm"] = "auto"
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    generation_config: Literal["auto", "vllm"] = Field(
+        default="auto",
+        description="sampling defaults for what a request leaves unset: auto (the model's "
+                    "recommended ones, else vllm's) or vllm (temperature 1, top_p 1, no "
+                    "top_k)")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        default="info", description="log verbosity")
 
     @field_validator("allowed_origins", mode="before")
     @classmethod
