@@ -274,11 +274,12 @@ class AsyncEngine:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's delta outputs until it finishes. Invalid input raises
-        ``ValueError`` before anything is sent; leaving the iterator early aborts the
-        request; ``EngineDeadError`` if the engine process dies meanwhile."""
+        ``ValueError`` from the stream, with the engine's message: the engine process
+        validates each request once, where it queues it (``EngineInfo.validate``; a caller
+        that must refuse before it streams, as the gateway does, calls that first); leaving the
+        iterator early aborts the request; ``EngineDeadError`` if the engine process dies
+        meanwhile."""
         self._check_alive()
-        assert self.info is not None
-        self.info.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = self._streams[request_id] = _OutputStream()
