@@ -116,8 +116,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def serve(settings: Settings) -> int:
-    # imported here, not at the top: the app imports the engine and torch (seconds), which
-    # `chatgate hash-key` and `--help` do not need
+    # imported here, not at the top: the app imports the engine's client and transformers
+    # (seconds, though no torch), which `chatgate hash-key` and `--help` do not need
     import uvicorn
 
     from chatgate.app import create_app
