@@ -4,6 +4,7 @@ the machine, tables, the raw JSON, plots), so each script is its workload and it
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -17,7 +18,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cpu"
+DEFAULT_OUT = ROOT / "benchmarks" / "out"  # ignored by git; docs cite copies in results/
+STARTED = time.perf_counter()
+
+
+def add_out_argument(parser: argparse.ArgumentParser) -> None:
+    """``--out``, the folder a run writes to: ``$OUT`` when set, else ``DEFAULT_OUT``."""
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or DEFAULT_OUT),
+                        help="folder for the run's log, JSON and plots (default: $OUT, else "
+                             "benchmarks/out)")
+
+
+def args_json(args: argparse.Namespace) -> dict[str, object]:
+    """The run's arguments as JSON values: paths as strings."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
+def log(msg: str) -> None:
+    """A progress line, stamped with the seconds since the benchmark started."""
+    print(f"[{time.perf_counter() - STARTED:7.1f}s] {msg}", flush=True)
 
 
 # -- lengths ------------------------------------------------------------------------------------

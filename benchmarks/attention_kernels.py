@@ -14,7 +14,7 @@
 
 Times are medians of CUDA-graph replays (``triton.testing.do_bench_cudagraph``; plain
 ``do_bench`` where capture fails). Writes ``kernels.json`` and ``kernels_decode.png`` to
-``$OUT`` (default ``./out``).
+``--out`` (default ``$OUT``, else ``benchmarks/out``).
 
     PYTHONUNBUFFERED=1 python benchmarks/attention_kernels.py [--no-sweep]
 """
@@ -22,7 +22,6 @@ Times are medians of CUDA-graph replays (``triton.testing.do_bench_cudagraph``; 
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import add_out_argument, log  # noqa: E402
 from chatgate_kernels import triton_attention  # noqa: E402
 
 HQ, HKV, D, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
@@ -61,13 +61,6 @@ EXTEND_VARIANTS = (
 )
 SPLIT_PROGRAMS_PER_SM = (4, 8, 16, 32)
 SPLIT_MIN_TOKENS = (64, 128, 256)
-STARTED = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - STARTED:6.1f}s] {msg}", flush=True)
-
-
 def bench(fn: Callable[[], object]) -> float:
     """Median milliseconds of ``fn`` after a warm-up call."""
     fn()
@@ -344,8 +337,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--no-sweep", action="store_true",
                     help="skip the launch-configuration sweep; time the shipped defaults")
+    add_out_argument(ap)
     args = ap.parse_args()
-    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()

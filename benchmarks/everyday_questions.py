@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks._common import DEFAULT_OUT, Run, mean  # noqa: E402
+from benchmarks._common import Run, add_out_argument, mean  # noqa: E402
 
 LOOP_WINDOW = 96
 LOOP_MAX_PERIOD = 32
@@ -347,7 +347,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="llama-server slots and requests in flight offline")
     ap.add_argument("--quick", action="store_true",
                     help=f"a tiny run (smoke test): {QUICK_QUESTIONS} questions, a few tokens")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     args.quantizations = args.quantizations.split(",")
     if args.quick:

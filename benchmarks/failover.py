@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import httpx  # noqa: E402
 
-from benchmarks._common import DEFAULT_OUT, open_log, table  # noqa: E402
+from benchmarks._common import add_out_argument, open_log, table  # noqa: E402
 from benchmarks.cluster import (  # noqa: E402
     ChatSession,
     Cluster,
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=24, help="answer length of a turn")
     ap.add_argument("--long-tokens", type=int, default=96,
                     help="answer length of the turn during which the replica dies")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     log, stem = open_log(args.out, "failover", False, argv)

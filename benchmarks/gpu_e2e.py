@@ -12,7 +12,7 @@ Same code path on CPU, small (a smoke test of the script itself):
 
 Weights are loaded once (``engine.loader.load_model``) and shared, without a copy, by the engine
 (``LLM``) and by transformers (``build_hf_model``). Writes ``gpu_e2e.json`` and ``gpu_e2e.png``
-to ``$OUT`` (default ``./out``).
+to ``--out`` (default ``$OUT``, else ``benchmarks/out``).
 
 Method:
 - Correctness: 8 random-token prompts, 32 greedy tokens each, engine (batched, CUDA graphs)
@@ -45,88 +45,48 @@ Method:
 - Floors, each from the sustained matmul rate and the copy bandwidth measured in the run: the
   floor (every step at the larger of its FLOPs and its bytes), the serial floor (GEMMs, then
   the KV reads, as a layer's dependencies order them) and between them the overlap floor
-  (attention beside every GEMM those dependencies allow, :func:`overlap_floor_s`); for the
+  (attention beside every GEMM those dependencies allow), from ``benchmarks/floor.py``; for the
   throughput run's steps and for each decode step.
 """
 
 import argparse
 import functools
-import gc
 import json
 import logging
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import save_figure  # noqa: E402
+from benchmarks import floor  # noqa: E402
+from benchmarks._common import add_out_argument, args_json, log, save_figure  # noqa: E402
+from benchmarks.engine_internals import StepRecorder  # noqa: E402
+from benchmarks.hardware import (  # noqa: E402
+    copy_bandwidth,
+    cuda_median_s,
+    l2_cache_bytes,
+    matmul_rates,
+    release_memory,
+    sync,
+    wall_s,
+)
+from benchmarks.hf_reference import (  # noqa: E402
+    check_correctness,
+    fp32_reference_agreement,
+    hf_baseline,
+)
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.cuda_graphs import padded_batch_size  # noqa: E402
 from engine.loader import LoadedModel, build_hf_model, dummy_config, load_model  # noqa: E402
 from engine.model import AttentionMetadata  # noqa: E402
-from engine.model_runner import padded_batch_size  # noqa: E402
-from engine.quantization import Fp8Linear  # noqa: E402
 
-T0 = time.perf_counter()
 EMBED_SCALE = 16.0
 WARMUP_REQUESTS, WARMUP_TOKENS = 64, 8  # the engine's untimed warm-up pass
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def wall_s(fn, device: torch.device):
-    """``(seconds, fn())``: wall time of ``fn`` with the device idle before and after it."""
-    sync(device)
-    start = time.perf_counter()
-    result = fn()
-    sync(device)
-    return time.perf_counter() - start, result
-
-
-def release_memory(device: torch.device) -> None:
-    """Return what dropped references held to the allocator and, on CUDA, to the device."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s (read + written) of a large device-to-device copy: median of CUDA-event timings."""
-    numel = 2**31 if device.type == "cuda" else 2**25
-    src = torch.randn(numel, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(25):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            if i >= 5:
-                times.append(start.elapsed_time(end) * 1e-3)
-        else:
-            t = time.perf_counter()
-            dst.copy_(src)
-            if i >= 5:
-                times.append(time.perf_counter() - t)
-    bw = 2 * src.nbytes / float(np.median(times))
-    del src, dst
-    return bw
 
 
 def make_requests(n: int, vocab: int, seed: int, prompt_range: tuple[int, int],
@@ -139,105 +99,6 @@ def make_requests(n: int, vocab: int, seed: int, prompt_range: tuple[int, int],
     output_lens = np.clip(rng.lognormal(math.log(o_hi / 3), 0.7, n), o_lo, o_hi).astype(int)
     return [(rng.integers(0, vocab, size=int(p)).tolist(), int(o))
             for p, o in zip(prompt_lens, output_lens, strict=True)]
-
-
-# -- correctness -----------------------------------------------------------------------------
-
-
-def hf_greedy_batch(hf, prompts: list[list[int]], num_tokens: int,
-                    device: torch.device) -> list[list[int]]:
-    """Transformers' greedy tokens for ``prompts`` generated together as one left-padded batch."""
-    ids, mask = left_padded(prompts, device)
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=num_tokens, do_sample=False,
-                      pad_token_id=0)
-    return out[:, ids.shape[1]:].tolist()
-
-
-def left_padded(prompts: list[list[int]],
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and attention mask of ``prompts`` left-padded to the longest (pad id 0)."""
-    longest = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-    mask = torch.zeros(len(prompts), longest, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, longest - len(p):] = torch.tensor(p)
-        mask[i, longest - len(p):] = 1
-    return ids.to(device), mask.to(device)
-
-
-def teacher_forced_margins(hf, prompt: list[int], tokens: list[int],
-                           device: torch.device) -> list[float]:
-    """Per generated position: transformers' top-1 logit minus its logit of ``tokens[j]``
-    (0 where the engine's token is transformers' argmax), fed the engine's own tokens."""
-    ids = torch.tensor([prompt + tokens[:-1]], device=device)
-    with torch.inference_mode():
-        logits = hf(ids).logits[0, len(prompt) - 1:].float()
-    chosen = logits.gather(1, torch.tensor(tokens, device=device)[:, None]).squeeze(1)
-    return (logits.max(dim=1).values - chosen).tolist()
-
-
-def top2_gap(hf, prompt: list[int], device: torch.device) -> float:
-    with torch.inference_mode():
-        logits = hf(torch.tensor([prompt], device=device)).logits[0, -1].float()
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
-
-
-def check_correctness(llm: LLM, hf, prompts: list[list[int]], num_tokens: int,
-                      device: torch.device) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    engine_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    hf_batched = hf_greedy_batch(hf, prompts, num_tokens, device)
-    rows = []
-    for i, (prompt, mine) in enumerate(zip(prompts, engine_tokens, strict=True)):
-        theirs = hf_greedy_batch(hf, [prompt], num_tokens, device)[0]  # one at a time
-        margins = teacher_forced_margins(hf, prompt, mine, device)
-        first = next((j for j, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b),
-                     None)
-        row = {"prompt": i, "prompt_len": len(prompt), "equal": first is None,
-               "first_divergence": first, "max_teacher_forced_margin": max(margins),
-               "num_non_argmax": sum(m > 0 for m in margins),
-               "engine_tokens": mine, "hf_tokens": theirs,
-               "hf_batched_equal": hf_batched[i] == theirs}
-        if first is not None:
-            # transformers' logits at the divergence (its own context = the engine's, since
-            # both agree before it): how far the engine's token is from its top-1, and the
-            # top-1/top-2 gap there.
-            row["margin_at_divergence"] = margins[first]
-            row["hf_top2_gap_at_divergence"] = top2_gap(hf, prompt + mine[:first], device)
-            row["engine_token"], row["hf_token"] = mine[first], theirs[first]
-        rows.append(row)
-        log(f"  prompt {i} ({len(prompt)} tokens): "
-            + ("equal" if first is None else
-               f"diverges at token {first}: engine {mine[first]} vs hf {theirs[first]}, "
-               f"hf logit margin {row['margin_at_divergence']:.4f}, "
-               f"hf top-2 gap {row['hf_top2_gap_at_divergence']:.4f}")
-            + f"; teacher-forced max margin {max(margins):.4f}; transformers batched "
-            + ("equal to" if row["hf_batched_equal"] else "differs from") + " one-by-one")
-    return {"num_prompts": len(prompts), "num_tokens": num_tokens,
-            "num_equal": sum(r["equal"] for r in rows),
-            "hf_batched_num_equal": sum(r["hf_batched_equal"] for r in rows), "rows": rows}
-
-
-def fp32_reference_agreement(loaded: LoadedModel, prompts: list[list[int]], check: dict,
-                             device: torch.device) -> dict:
-    """The same weights upcast to float32 as the exact computation: teacher-forced along each
-    16-bit implementation's own greedy path (transformers' and the engine's), at how many steps
-    its token is the float32 argmax, and the largest float32 logit deficit of its token there.
-    Flat logits make bit-for-bit equality of two 16-bit implementations a coin toss at near
-    ties; this asks which of them stays closer to the exact result."""
-    weights = {name: t.float() for name, t in loaded.state_dict.items()}
-    hf32 = build_hf_model(LoadedModel(loaded.name, loaded.config, weights, None))
-    result = {}
-    for who in ("hf", "engine"):
-        deficits: list[float] = []
-        for prompt, row in zip(prompts, check["rows"], strict=True):
-            deficits += teacher_forced_margins(hf32, prompt, row[f"{who}_tokens"], device)
-        result[who] = {"steps": len(deficits), "fp32_argmax": sum(d == 0 for d in deficits),
-                       "max_deficit": max(deficits), "mean_deficit": float(np.mean(deficits))}
-    del hf32, weights
-    release_memory(device)
-    return result
 
 
 def fp32_correctness(args, device: torch.device, prompts: list[list[int]]) -> dict:
@@ -257,79 +118,6 @@ def fp32_correctness(args, device: torch.device, prompts: list[list[int]]) -> di
     del llm, hf, loaded
     release_memory(device)
     return result
-
-
-# -- throughput ------------------------------------------------------------------------------
-
-
-class TimedGraph:
-    """A decode CUDA graph whose every replay is bracketed by CUDA events, so that its device
-    time is measured in the very steps it runs in (same clocks, same cache contents)."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, replays: list) -> None:
-        self.graph, self.replays = graph, replays
-
-    def replay(self) -> None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.graph.replay()
-        end.record()
-        self.replays.append((start, end))
-
-
-class StepRecorder:
-    """Wraps ``LLMEngine.step`` to time every step and note its batch composition: rows,
-    whether it replayed a CUDA graph, tokens computed, and the context its rows hold (the KV
-    a decode step reads); on CUDA each graph replay is also timed on the device
-    (:class:`TimedGraph`, ``graph_s``: one entry per step, None for an eager step)."""
-
-    def __init__(self, engine, device: torch.device, total: int) -> None:
-        self.engine, self.device, self.total = engine, device, total
-        self.inner = engine.step
-        self.steps: list[tuple[float, int, bool]] = []  # (seconds, rows, CUDA-graph step)
-        self.work: list[tuple[int, int]] = []  # (tokens computed, context tokens of the rows)
-        self.replays: list = []  # (start, end) events of each graph replay, in order
-        self.step_replays: list[int | None] = []  # each step's index into replays
-        self.finished = 0
-        self.last_log = time.perf_counter()
-        graphs = engine.runner.graphs
-        self.graphs = dict(graphs)
-        if device.type == "cuda":
-            for size, (graph, logits) in self.graphs.items():
-                graphs[size] = (TimedGraph(graph, self.replays), logits)
-        engine.step = self.step
-
-    def step(self):
-        sched = self.engine.scheduler
-        runner = self.engine.runner
-        graph_steps = runner.num_graph_steps
-        rows = len(sched.running)
-        computed = self.engine.num_prefill_tokens + self.engine.num_decode_tokens
-        start = time.perf_counter()
-        outputs = self.inner()
-        elapsed = time.perf_counter() - start
-        graph = runner.num_graph_steps > graph_steps
-        self.steps.append((elapsed, rows, graph))
-        self.step_replays.append(len(self.replays) - 1 if graph and self.replays else None)
-        self.work.append((self.engine.num_prefill_tokens + self.engine.num_decode_tokens
-                          - computed, sum(s.num_computed_tokens for s in sched.running)))
-        self.finished += sum(o.finished for o in outputs)
-        if time.perf_counter() - self.last_log > 5:
-            self.last_log = time.perf_counter()
-            log(f"  engine: {self.finished}/{self.total} requests done, {len(self.steps)} steps, "
-                f"{len(sched.running)} running, {len(sched.waiting)} waiting")
-        return outputs
-
-    def restore(self) -> None:
-        self.engine.step = self.inner
-        self.engine.runner.graphs.update(self.graphs)
-
-    def graph_s(self) -> list[float | None]:
-        """Each step's graph replay, device seconds (None: an eager step, or no CUDA)."""
-        if self.replays:
-            torch.cuda.synchronize()
-        return [self.replays[i][0].elapsed_time(self.replays[i][1]) / 1e3 if i is not None
-                else None for i in self.step_replays]
 
 
 def engine_warmup(llm: LLM, requests, device: torch.device) -> float:
@@ -384,163 +172,20 @@ def engine_throughput(llm: LLM, requests, device: torch.device) -> dict:
     }
 
 
-def matmul_rate(device: torch.device, fp8: bool = False) -> float:
-    """FLOP/s of a bf16 GEMM of the decoder's gate/up shape at 4096 rows (with ``fp8``: the
-    FP8 product ``--quantization fp8`` runs, per-row scales), sustained: timed after 2 s of the
-    same GEMMs, so the clocks are where the power cap holds them under load."""
-    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
-    b = torch.randn(28672, 4096, device=device, dtype=torch.bfloat16)
-    if fp8:
-        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
-        sa = torch.ones(4096, 1, device=device)
-        sb = torch.ones(1, 28672, device=device)
-
-        def product() -> torch.Tensor:
-            return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-    else:
-        def product() -> torch.Tensor:
-            return a @ b.t()
-    start = time.perf_counter()
-    while time.perf_counter() - start < 2.0:
-        product()
-        torch.cuda.synchronize()
-    seconds = cuda_median_s(product, reps=50)
-    return 2 * 4096 * 4096 * 28672 / seconds
-
-
-def matmul_rates(llm: LLM, device: torch.device) -> tuple[float, float]:
-    """(rate of the decoder layers' products, rate of lm_head's): the FP8 rate for the layers
-    of an FP8 model, whose output layer stays bfloat16."""
-    bf16 = matmul_rate(device)
-    fp8 = llm.engine.config.quantization == "fp8"
-    return (matmul_rate(device, fp8=True) if fp8 else bf16), bf16
-
-
-@dataclass(frozen=True)
-class WeightSplit:
-    """A model's weights as the overlap floor splits them: every decoder layer's (norms
-    included), the MLP's share of them, and lm_head's."""
-
-    layers: int
-    params: int
-    bytes_per_param: float
-    mlp_params: int  # gate, up and down of every layer
-    head_params: int
-    head_bytes_each: int
-
-    @classmethod
-    def of(cls, model) -> "WeightSplit":
-        params = layer_params(model)
-        down = model.layers[0].down
-        down_params = (down if isinstance(down, torch.Tensor) else down.weight).numel()
-        return cls(len(model.layers), params, layer_weight_bytes(model) / params,
-                   3 * len(model.layers) * down_params, model.lm_head.numel(),
-                   model.lm_head.element_size())
-
-
-def overlap_floor_s(split: WeightSplit, tokens: int, rows: int, kv_bytes: float,
-                    rates: tuple[float, float], copy_bw: float, l2_bytes: int) -> float:
-    """The floor of one step whose attention runs beside every GEMM the layers' data
-    dependencies let it run beside, each weight read once (the most a persistent whole-layer
-    kernel could overlap): the q/k/v and o products, and the share of the MLP whose weights fit
-    in L2 (``l2_bytes``) and so can wait there for rows whose attention ends late. The rest of
-    the MLP streams its weights past every row once, so it starts when the layer's attention
-    has ended, and lm_head needs the last layer's output: both follow the KV reads. Each GEMM
-    costs the larger of its FLOPs at ``rates`` and its weight bytes at ``copy_bw``; ``tokens``
-    rows go through the layers, ``rows`` through lm_head. Never below the step's FLOP floor or
-    its byte floor (the caller takes the larger)."""
-
-    def gemm_s(count: int, width: int, rate: float, bytes_each: float) -> float:
-        return max(2 * width * count / rate, count * bytes_each / copy_bw)
-
-    mlp = gemm_s(split.mlp_params, tokens, rates[0], split.bytes_per_param)
-    beside = gemm_s(split.params - split.mlp_params, tokens, rates[0], split.bytes_per_param)
-    head = gemm_s(split.head_params, rows, rates[1], split.head_bytes_each)
-    resident = min(1.0, l2_bytes * split.layers / (split.mlp_params * split.bytes_per_param))
-    return (1 - resident) * mlp + head + max(kv_bytes / copy_bw, beside + resident * mlp)
-
-
-def l2_cache_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
-
-
-def workload_floor(llm: LLM, et: dict, rates: tuple[float, float], copy_bw: float,
-                   l2_bytes: int) -> dict:
-    """The hardware's floor for the steps the engine ran: each step at least its linear-layer
-    FLOPs at ``rates`` (:func:`matmul_rates`; lm_head for its sampled rows) and at least its
-    bytes at ``copy_bw``
-    (every weight once, plus the KV of every row's context); summed over steps.
-
-    ``serial_s`` is the floor of the same steps run as their layers' dependencies allow: a
-    layer's attention reads its q/k/v GEMM's output and feeds its o GEMM, so within one batch
-    the GEMMs (at the larger of their FLOPs and weight bytes) and the KV reads (at their bytes)
-    follow each other instead of overlapping. ``overlap_s`` is the floor of the same steps with
-    the most overlap those dependencies allow (:func:`overlap_floor_s`)."""
-    model = llm.engine.runner.model
-    params, head_params = layer_params(model), model.lm_head.numel()
-    weight_bytes = layer_weight_bytes(model) + head_params * model.lm_head.element_size()
-    rate, head_rate = rates
-    kv_token_bytes = (2 * len(model.layers) * model.num_kv_heads * model.head_dim
-                      * llm.engine.runner.kv_cache.element_size())
-    split = WeightSplit.of(model)
-    total = serial = overlap = 0.0
-    for (tokens, ctx), rows in zip(et["step_work"], et["step_rows"], strict=True):
-        flop_s = 2 * (params * tokens / rate + head_params * rows / head_rate)
-        weight_s, kv_s = weight_bytes / copy_bw, kv_token_bytes * ctx / copy_bw
-        floor = max(flop_s, weight_s + kv_s)
-        total += floor
-        serial += max(flop_s, weight_s) + kv_s
-        overlap += max(floor, overlap_floor_s(split, tokens, rows, kv_token_bytes * ctx, rates,
-                                              copy_bw, l2_bytes))
-    return {"floor_s": total, "output_tokens_per_s": et["output_tokens"] / total,
-            "fraction": total / et["seconds"], "matmul_flops": rate, "head_flops": head_rate,
-            "serial_s": serial, "serial_fraction": serial / et["seconds"],
-            "overlap_s": overlap, "overlap_fraction": overlap / et["seconds"]}
-
-
 def runner_max(llm: LLM) -> int:
     return llm.engine.config.max_num_seqs
 
 
-def cuda_median_s(fn, reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` calls, each timed with CUDA events."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return float(np.median(times))
-
-
-def _layer_storages(model) -> dict[int, tuple[int, int]]:
-    """Every decoder layer's storages once (fused q/k/v and gate/up are views), an FP8
-    product's codes, scales and bias included: data pointer -> (bytes, weights; a scale is
-    not a weight)."""
-    storages = {}
-    for layer in model.layers:
-        for value in vars(layer).values():
-            tensors = [(value, True)] if isinstance(value, torch.Tensor) else []
-            if isinstance(value, Fp8Linear):
-                tensors = [(value.weight, True), (value.scales, False)]
-                tensors += [(value.bias, True)] if value.bias is not None else []
-            for t, weights in tensors:
-                storage = t.untyped_storage()
-                count = storage.nbytes() // t.element_size() if weights else 0
-                storages[storage.data_ptr()] = (storage.nbytes(), count)
-    return storages
-
-
-def layer_weight_bytes(model) -> int:
-    """Bytes of every decoder layer's tensors."""
-    return sum(nbytes for nbytes, _ in _layer_storages(model).values())
-
-
-def layer_params(model) -> int:
-    """Weights of every decoder layer (norms included)."""
-    return sum(count for _, count in _layer_storages(model).values())
+def workload_floor(llm: LLM, et: dict, rates: floor.Rates, copy_bw: float,
+                   l2_bytes: int) -> dict:
+    """``floor.workload_floor`` of the steps of the throughput run ``et``
+    (:func:`engine_throughput`)."""
+    model = llm.engine.runner.model
+    return floor.workload_floor(
+        floor.WeightSplit.of(model),
+        floor.kv_bytes_per_token(model, llm.engine.runner.kv_cache.element_size()),
+        et["step_work"], et["step_rows"], et["output_tokens"], et["seconds"], rates, copy_bw,
+        l2_bytes)
 
 
 def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
@@ -548,10 +193,9 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
                          rates: tuple[float, float] | None = None) -> dict:
     """Replay the captured decode graph of ``batch`` rows, each over ``ctx`` cached tokens in
     distinct blocks, and compare with (weight bytes + KV bytes) / copy bandwidth. Given the
-    matmul rates (:func:`matmul_rates`), also with the step's FLOP floor (``flop_s``: its
-    linear layers and lm_head), its serial floor (``serial_s``: the GEMMs at the larger of
-    their FLOPs and weight bytes, then the KV reads, as :func:`workload_floor` defines it) and
-    its overlap floor (``overlap_s``, :func:`overlap_floor_s`)."""
+    matmul rates (``hardware.matmul_rates``), also with the step's FLOP floor (``flop_s``), its
+    serial floor (``serial_s``) and its overlap floor (``overlap_s``), as ``floor.step_floors``
+    defines them."""
     runner = llm.engine.runner
     model = runner.model
     bs = runner.block_size
@@ -563,29 +207,23 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
     host = {"input_ids": np.zeros(batch, dtype=np.int64), "positions": positions,
             "slot_mapping": tables[:, -1].astype(np.int64) * bs + (ctx - 1) % bs,
             "block_tables": tables, "seq_lens": np.full(batch, ctx, dtype=np.int32)}
-    weight_bytes = layer_weight_bytes(model)
-    weight_bytes += model.final_norm.numel() * model.final_norm.element_size()
-    weight_bytes += model.lm_head.numel() * model.lm_head.element_size()
-    weight_bytes += batch * model.embed.shape[1] * model.embed.element_size()  # rows gathered
-    kv_bytes = (2 * len(model.layers) * batch * ctx * model.num_kv_heads * model.head_dim
-                * runner.kv_cache.element_size())
+    weight_bytes = floor.decode_weight_bytes(model, batch)
+    kv_bytes = batch * ctx * floor.kv_bytes_per_token(model, runner.kv_cache.element_size())
     if not runner.graphs or batch not in runner.graphs:
         return {"skipped": "no CUDA graph of that batch size (eager run or CPU)"}
     with torch.inference_mode():
-        runner._replay(host, batch, batch, None)
+        runner.load_decode_batch(host)
+        runner.decode_forward(batch)
         torch.cuda.synchronize()
-        measured = cuda_median_s(runner.graphs[batch][0].replay, reps=30)
+        measured = cuda_median_s(lambda: runner.decode_forward(batch), reps=30)
     roofline = (weight_bytes + kv_bytes) / copy_bw
     result = {"batch": batch, "ctx": ctx, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
               "step_s": measured, "roofline_s": roofline, "fraction": roofline / measured}
     if rates:
-        flop_s = 2 * batch * (layer_params(model) / rates[0] + model.lm_head.numel() / rates[1])
-        result.update(flop_s=flop_s,
-                      serial_s=max(flop_s, weight_bytes / copy_bw) + kv_bytes / copy_bw,
-                      overlap_s=max(flop_s, roofline,
-                                    overlap_floor_s(WeightSplit.of(model), batch, batch,
-                                                    kv_bytes, rates, copy_bw,
-                                                    l2_cache_bytes(device))))
+        floors = floor.step_floors(floor.WeightSplit.of(model), batch, batch, kv_bytes,
+                                   weight_bytes, rates, copy_bw, l2_cache_bytes(device))
+        result.update(flop_s=floors.flop_s, serial_s=floors.serial_s,
+                      overlap_s=floors.overlap_s)
     return result
 
 
@@ -598,11 +236,11 @@ def profile_steps(llm: LLM, batch: int, ctx: int, copy_bw: float, prefill_tokens
     model = runner.model
     graph = decode_step_roofline(llm, batch, ctx, copy_bw, device)  # fills the static buffers
     with torch.inference_mode():
-        eager_s = cuda_median_s(lambda: runner._decode_forward(batch), reps=10)
+        eager_s = cuda_median_s(lambda: runner.decode_forward(batch, replay=False), reps=10)
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                runner._decode_forward(batch)
+                runner.decode_forward(batch, replay=False)
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
                                           max_name_column_width=60)
@@ -623,75 +261,12 @@ def profile_steps(llm: LLM, batch: int, ctx: int, copy_bw: float, prefill_tokens
         ids = torch.randint(0, model.embed.shape[0], (seqs * per,), device=device)
         prefill_s = cuda_median_s(lambda: model.forward(ids, positions, meta, runner.kv_cache),
                                   reps=5)
-    params = layer_params(model)  # norms included
+    params = floor.layer_params(model)  # norms included
     attn_flops = 4 * len(model.layers) * model.num_heads * model.head_dim * seqs * per * per / 2
     flops = 2 * params * seqs * per + attn_flops
     return {"ctx": ctx, "graph_s": graph.get("step_s"),
             "eager_s": eager_s, "kernel_table": table, "prefill_tokens": seqs * per,
             "prefill_s": prefill_s, "prefill_tflops": flops / prefill_s / 1e12}
-
-
-# -- transformers baseline -------------------------------------------------------------------
-
-
-class StopAfter(StoppingCriteria):
-    """Stops every row once ``num_tokens`` tokens were generated (a warm-up of full shapes)."""
-
-    def __init__(self, num_tokens: int) -> None:
-        self.num_tokens, self.calls = num_tokens, 0
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        self.calls += 1
-        done = self.calls >= self.num_tokens
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
-
-
-def hf_generate_batch(hf, batch, device: torch.device,
-                      compile_: bool) -> tuple[float, int, int, float]:
-    """Left-padded static-cache greedy generation of one batch; (seconds, useful output tokens,
-    padded output tokens, seconds of the untimed compile warm-up)."""
-    ids, mask = left_padded([p for p, _ in batch], device)
-    new = max(o for _, o in batch)
-    kwargs = {"attention_mask": mask, "max_new_tokens": new, "do_sample": False,
-              "pad_token_id": 0, "cache_implementation": "static",
-              "disable_compile": not compile_}
-    warmup_s = 0.0
-    with torch.inference_mode():
-        if compile_:
-            # the same shapes (so the same static cache and compiled graphs), stopped early
-            stop = StoppingCriteriaList([StopAfter(3)])
-            warmup_s, _ = wall_s(lambda: hf.generate(ids, stopping_criteria=stop, **kwargs),
-                                 device)
-        elapsed, out = wall_s(lambda: hf.generate(ids, **kwargs), device)
-    assert out.shape[1] == ids.shape[1] + new, out.shape
-    return elapsed, sum(o for _, o in batch), len(batch) * new, warmup_s
-
-
-def hf_largest_batch(hf, requests, candidates: list[int], device: torch.device,
-                     compile_: bool) -> int:
-    """The largest candidate batch that runs the longest prompt and output without OOM."""
-    longest = max(len(p) for p, _ in requests)
-    new = max(o for _, o in requests)
-    for size in candidates:
-        try:
-            # a prompt of longest + new - 2 tokens and 2 new ones: the same static cache
-            # length and a larger prefill than any real batch (a conservative probe)
-            ids = torch.zeros(size, longest + new - 2, dtype=torch.long, device=device)
-            with torch.inference_mode():
-                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
-                            do_sample=False, pad_token_id=0, cache_implementation="static",
-                            disable_compile=not compile_)
-            sync(device)
-            del ids
-            log(f"  transformers batch {size}: fits")
-            return size
-        except torch.OutOfMemoryError:
-            log(f"  transformers batch {size}: out of memory")
-            release_memory(device)
-    return candidates[-1]
-
-
-# -- main --------------------------------------------------------------------------------------
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -736,8 +311,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="run the throughput workload again with overlapped scheduling off")
     ap.add_argument("--quick", action="store_true",
                     help="short lengths (prompts 8-64, outputs 4-32): a smoke test of the script")
-    args = ap.parse_args(argv)
-    return args
+    add_out_argument(ap)
+    return ap.parse_args(argv)
 
 
 def run_info(args: argparse.Namespace, device: torch.device) -> dict:
@@ -745,7 +320,7 @@ def run_info(args: argparse.Namespace, device: torch.device) -> dict:
     import transformers
     info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": sys.version.split()[0], "args": vars(args)}
+            "python": sys.version.split()[0], "args": args_json(args)}
     try:
         import triton
         info["triton"] = triton.__version__
@@ -872,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     for noisy in ("httpx", "urllib3", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -928,8 +503,9 @@ def print_summary(args: argparse.Namespace, result: dict, corr: dict, copy_bw: f
     print()
     print(f"{info['device']}; torch {info['torch']}, triton {info['triton']}, transformers "
           f"{info['transformers']}; {args.model} {args.dtype}; copy bw {copy_bw / 1e9:.0f} GB/s")
-    print(f"KV pool {runner_blocks(result)} blocks ({result['engine']['kv_cache_gib']:.1f} GiB); "
-          f"engine init {result['engine']['init_s']:.1f}s")
+    engine = result["engine"]
+    print(f"KV pool {engine['num_kv_blocks']} blocks ({engine['kv_cache_gib']:.1f} GiB); "
+          f"engine init {engine['init_s']:.1f}s")
     for name, c in corr.items():
         diverged = [r for r in c["rows"] if not r["equal"]]
         extra = "".join(f"; p{r['prompt']}@{r['first_divergence']} margin "
@@ -1029,39 +605,6 @@ def print_steps(args: argparse.Namespace, result: dict) -> None:
                       f" in the run {(in_situ or step) / graph['serial_s']:.2f}x of it")
 
 
-def hf_baseline(hf, requests, args, device: torch.device, et: dict) -> dict:
-    """transformers ``generate`` on the same requests (see the module docstring)."""
-    hf_compile = not args.hf_eager and device.type == "cuda"  # transformers compiles on GPUs
-    size = hf_largest_batch(hf, requests, args.hf_candidates, device, hf_compile)
-    all_batches = [requests[i:i + size] for i in range(0, len(requests), size)]
-    batches = all_batches[:args.hf_batches]
-    hf_time = hf_useful = hf_padded = hf_warmup = 0
-    for i, batch in enumerate(batches):
-        t, useful, padded, warmup = hf_generate_batch(hf, batch, device, hf_compile)
-        hf_time, hf_useful, hf_padded = hf_time + t, hf_useful + useful, hf_padded + padded
-        hf_warmup += warmup
-        log(f"  transformers batch {i}: {len(batch)} requests, {useful} useful / {padded} "
-            f"generated tokens in {t:.1f}s"
-            + (f" (compile warm-up before it {warmup:.1f}s)" if hf_compile else ""))
-    hf_tps = hf_useful / hf_time
-    return {
-        "batch_size": size, "batches_timed": len(batches), "seconds": hf_time,
-        "useful_output_tokens": hf_useful, "generated_tokens": hf_padded,
-        "output_tokens_per_s": hf_tps,
-        "all_batches": len(batches) == len(all_batches),
-        "seconds_all": et["output_tokens"] / hf_tps,  # measured when all_batches
-        "compiled": hf_compile, "compile_warmup_seconds": hf_warmup,
-        "how": ("all batches" if len(batches) == len(all_batches) else
-                f"{len(batches)} of {len(all_batches)} batches, extrapolated")
-        + (f"; compiled, {hf_warmup:.0f}s of compile warm-up not counted" if hf_compile
-           else "; eager"),
-    }
-
-
-def runner_blocks(result: dict) -> int:
-    return result["engine"]["num_kv_blocks"]
-
-
 def plot(result: dict, throughput_ax, decode_ax) -> None:
     """Offline throughput (engine, its floor, transformers) and the decode step against its
     roofline."""
@@ -1084,6 +627,10 @@ def plot(result: dict, throughput_ax, decode_ax) -> None:
         decode_ax.set_xticks(x, labels)
         decode_ax.set_ylabel("ms")
         decode_ax.set_title(f"Decode step, batch {steps[0]['batch']}")
+
+
+if __name__ == "__main__":
+    main()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ Prints a pass/fail table; exits 1 if any case fails.
     PYTHONUNBUFFERED=1 python benchmarks/gpu_kernels_check.py
 """
 
+import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -407,6 +408,7 @@ FUSED_FP32_BOUND = 1e-6
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     torch.manual_seed(0)
     rows: list[tuple[str, str, float, float]] = []

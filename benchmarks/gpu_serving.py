@@ -51,7 +51,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks._common import ROOT, Tee, machine_info, percentile, plt, ratio, table  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    ROOT,
+    Tee,
+    add_out_argument,
+    machine_info,
+    percentile,
+    plt,
+    ratio,
+    table,
+)
 from benchmarks.serving import TOPICS  # noqa: E402
 
 STYLES = ["Explain {t} to a ten-year-old.",
@@ -512,8 +521,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--turn-tokens", type=int, default=48)
     p.add_argument("--system-tokens", type=int, default=1000)
-    p.add_argument("--out", type=Path, default=None,
-                   help="folder for results (default $OUT, else benchmarks/results/h200)")
+    add_out_argument(p)
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     p.add_argument("--direct-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -525,7 +533,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.transports = [t for t in args.transports.split(",") if t]
     args.models = [m for m in args.models.split(",") if m]
-    args.out = args.out or Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "h200")
     return args
 
 

@@ -17,12 +17,12 @@ same run: pool size, the batch-256 decode step, offline throughput, and accuracy
   judged at the same positions) and so are the same weights upcast to float32 (transformers):
   the share of positions whose engine token is the float32 argmax.
 
-Writes ``kv_cache_dtype.json`` to ``$OUT`` (default ``./out``); prints a table last.
+Writes ``kv_cache_dtype.json`` to ``--out`` (default ``$OUT``, else ``benchmarks/out``);
+prints a table last.
 """
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,20 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_e2e import (  # noqa: E402
-    copy_bandwidth,
-    decode_step_roofline,
-    engine_throughput,
-    make_requests,
-    release_memory,
-)
+from benchmarks._common import add_out_argument, args_json, log  # noqa: E402
+from benchmarks.gpu_e2e import decode_step_roofline, engine_throughput, make_requests  # noqa: E402
+from benchmarks.hardware import copy_bandwidth, release_memory  # noqa: E402
 from benchmarks.serving import TOPICS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.loader import LoadedModel, build_hf_model, load_model  # noqa: E402
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def run_engine(args, loaded: LoadedModel, kv_cache_dtype: str, prompts: list[list[int]],
@@ -104,8 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
-    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
 
     device = torch.device(args.device)
@@ -141,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         run["fp32_steps"] = len(expected)
 
     (out_dir / "kv_cache_dtype.json").write_text(json.dumps(
-        {"args": vars(args), "copy_bandwidth_Bps": copy_bw, "runs": runs}, indent=2))
+        {"args": args_json(args), "copy_bandwidth_Bps": copy_bw, "runs": runs}, indent=2))
     base, fp8 = runs["auto"], runs["fp8"]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"\n{name}; {args.model} bf16 weights; copy bw {copy_bw / 1e9:.0f} GB/s")

@@ -41,9 +41,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from benchmarks._common import (  # noqa: E402
-    DEFAULT_OUT,
     Run,
     Tee,
+    add_out_argument,
+    args_json,
     mean,
     ratio,
     sharegpt_lengths,
@@ -451,7 +452,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-engine", action="store_true", help="skip the real-engine check")
     ap.add_argument("--model", default="smollm2", help="model of the real-engine check")
     ap.add_argument("--quick", action="store_true", help="a tiny run (smoke test)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.num_requests, args.budget_slots, args.sweep = 40, 4096, "2048,4096"
@@ -478,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = None if args.no_engine else engine_vs_simulator(args, run)
 
     plot(run, args, traces, sweep, engine)
-    raw = {"args": vars(args) | {"out": str(args.out)}, "summaries": sums, "sweep": sweep,
+    raw = {"args": args_json(args), "summaries": sums, "sweep": sweep,
            "traces": [{"policy": tr.policy, "in_flight": tr.in_flight,
                        "reserved": tr.reserved, "stored": tr.stored} for tr in traces]}
     if engine is not None:

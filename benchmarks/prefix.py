@@ -29,9 +29,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from benchmarks._common import (  # noqa: E402
-    DEFAULT_OUT,
     Run,
     Tee,
+    add_out_argument,
+    args_json,
     mean,
     percentile,
     ratio,
@@ -222,7 +223,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-shared", action="store_true")
     ap.add_argument("--skip-turns", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a tiny run (smoke test)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.users, args.system_tokens, args.answer_tokens, args.off_every = 3, 64, 2, 1
@@ -330,7 +331,7 @@ def report_turns(run: Run, args: argparse.Namespace, turns: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = Run(args.out, "prefix", quick=args.quick, argv=argv)
-    raw: dict = {"args": vars(args) | {"out": str(args.out)}}
+    raw: dict = {"args": args_json(args)}
     shared = turns = None
     if not args.skip_shared:
         run(f"\n## (1) one ~{args.system_tokens}-token system prompt, {args.users} users")

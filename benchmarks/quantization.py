@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks._common import DEFAULT_OUT, Run, machine_info, ratio  # noqa: E402
+from benchmarks._common import Run, add_out_argument, machine_info, ratio  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PERPLEXITY_TEXT = ROOT / "docs" / "architecture.md"
@@ -84,9 +84,9 @@ def perplexity(llm, ids: list[int], window: int) -> float:
             chunk = ids[start:start + window]
             if len(chunk) < 2:
                 break
-            scratch = torch.zeros(runner._cache_shape(-(-len(chunk) // runner.block_size)),
+            scratch = torch.zeros(runner.cache_shape(-(-len(chunk) // runner.block_size)),
                                   dtype=runner.kv_cache.dtype)
-            meta, positions = runner._prefill_batch([len(chunk)])
+            meta, positions = runner.prefill_batch([len(chunk)])
             hidden = model.forward(torch.tensor(chunk), positions, meta, scratch)
             logits = model.compute_logits(hidden[:-1]).float()
             targets = torch.tensor(chunk[1:])
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--ppl-window", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="a tiny run (smoke test)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.max_tokens, args.speed_tokens, args.ppl_tokens, args.ppl_window = 4, 4, 64, 32

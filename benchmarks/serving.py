@@ -48,9 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import httpx  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
-    DEFAULT_OUT,
     ROOT,
     Run,
+    add_out_argument,
+    args_json,
     percentile,
     ratio,
     table,
@@ -347,7 +348,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="record a py-spy profile of chatgate at this concurrency (0: off)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--quick", action="store_true", help="a tiny run (smoke test)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.concurrency, args.output_range, args.requests_per_level = "2", "2,4", 2
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers:
             s.stop()
-    run.write_json({"args": vars(args) | {"out": str(args.out)},
+    run.write_json({"args": args_json(args),
                     "servers": {s.name: s.kind for s in servers}, "results": results},
                    indent=1)
     plot(run, results, bool(args.rates))

@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import httpx  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
-    DEFAULT_OUT,
     ROOT,
     Run,
     Tee,
+    add_out_argument,
     machine_info,
     table,
 )
@@ -209,7 +209,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--abort-fraction", type=float, default=0.2)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--redis-url", default=None, help="default: the in-process session store")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_argument(p)
     p.add_argument("--quick", action="store_true", help="smoke run: 2 samples 5 s apart")
     args = p.parse_args(argv)
     args.interval = 60.0

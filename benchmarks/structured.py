@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks._common import DEFAULT_OUT, machine_info, open_log, ratio, table  # noqa: E402
+from benchmarks._common import add_out_argument, machine_info, open_log, ratio, table  # noqa: E402
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 40},
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="time (a) and (b) this many times, alternately; the best of each counts")
     p.add_argument("--quick", action="store_true", help="smoke run: 4 requests")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_argument(p)
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests, args.max_tokens = 4, 128

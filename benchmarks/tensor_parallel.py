@@ -33,8 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks import gpu_e2e  # noqa: E402
-from benchmarks._common import DEFAULT_OUT, open_log, plt, table  # noqa: E402
+from benchmarks import gpu_e2e, hardware  # noqa: E402
+from benchmarks._common import add_out_argument, open_log, plt, table  # noqa: E402
 
 TARGET_BATCH1 = 0.6  # decode step at batch 1: N ranks / 1 rank, at most
 
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="none: the model does not fit one device (no correctness check, no "
                          "single-rank decode step)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.num_requests, args.correct_prompts, args.correct_tokens = 6, 2, 4
@@ -73,7 +73,7 @@ def release(llm) -> None:
     device = llm.engine.runner.device
     llm.engine.shutdown()
     del llm
-    gpu_e2e.release_memory(device)
+    hardware.release_memory(device)
 
 
 def greedy_tokens(args, ranks: int, prompts: list[list[int]]) -> list[list[int]]:
@@ -104,7 +104,7 @@ def decode_step_s(llm, batch: int, ctx: int, steps: int = 16) -> float:
     for _ in range(steps):
         t = time.perf_counter()
         eng.step()
-        gpu_e2e.sync(eng.runner.device)
+        hardware.sync(eng.runner.device)
         times.append(time.perf_counter() - t)
     for rid in ids:
         eng.abort(rid)
@@ -140,9 +140,9 @@ def run(args, log) -> dict:
             log(f"throughput, {n} ranks: {et['output_tokens_per_s']:.0f} tok/s "
                 f"({et['seconds']:.1f} s, {et['steps']} steps)")
             if device.type == "cuda":
-                raw["floor"] = gpu_e2e.workload_floor(llm, et, gpu_e2e.matmul_rates(llm, device),
-                                                      gpu_e2e.copy_bandwidth(device),
-                                                      gpu_e2e.l2_cache_bytes(device))
+                raw["floor"] = gpu_e2e.workload_floor(llm, et, hardware.matmul_rates(llm, device),
+                                                      hardware.copy_bandwidth(device),
+                                                      hardware.l2_cache_bytes(device))
                 log(f"floor of these steps (one rank's shard): {raw['floor']}")
         release(llm)
     raw["decode_step_s"] = {str(r): {str(b): s for b, s in v.items()} for r, v in steps.items()}

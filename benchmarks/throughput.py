@@ -36,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
-    DEFAULT_OUT,
     Run,
     Tee,
+    add_out_argument,
+    args_json,
     mean,
     ratio,
     uniformish_lengths,
@@ -128,7 +129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
                     help="the engine's CPU weights (transformers keeps float32)")
     ap.add_argument("--quick", action="store_true", help="a tiny run (smoke test)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.num_requests, args.prompt_range, args.output_range = 8, "8,32", "4,12"
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     run_hf(hf, [(requests[0][0][:16], 2)], 1, Tee(None))
 
     runs = alternate(args, llm, hf, requests, run)
-    run.write_json({"args": vars(args) | {"out": str(args.out)}, "runs": runs,
+    run.write_json({"args": args_json(args), "runs": runs,
                     "requests": [[len(p), o] for p, o in requests]}, indent=1)
     report(run, args, runs, requests)
     run.close()

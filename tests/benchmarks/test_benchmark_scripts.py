@@ -3,7 +3,6 @@ tiny random-weight Llama with SmolLM2's tokenizer), prints its final table and w
 output and plots. No timing is asserted: these only keep the scripts from rotting."""
 
 import importlib.util
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -149,34 +148,6 @@ def test_tensor_parallel_quick(tmp_path, tiny_model, capsys):
     raw = json.loads((tmp_path / "tensor_parallel_quick.json").read_text())
     assert raw["correctness"] == {"equal": 2, "prompts": 2}
     assert raw["throughput"]["output_tokens"] > 0
-
-
-def test_overlap_floor_lies_between_the_flop_floor_and_the_serial_floor(tiny_model):
-    """``gpu_e2e.overlap_floor_s``: with no KV and no L2 it is every GEMM in series (the FLOP
-    floor when each is compute-bound); with KV reads, the MLP and lm_head come on top of them;
-    it never exceeds the serial floor, and more L2 never raises it."""
-    from engine import LLM
-
-    mod = _load("gpu_e2e")
-    model = LLM(tiny_model, max_model_len=64, num_kv_blocks=8).engine.runner.model
-    split = mod.WeightSplit.of(model)
-    batch, slow, bw = 256, (1e9, 1e9), 1e12  # FLOP-bound GEMMs
-    flop_s = 2 * batch * (mod.layer_params(model) + model.lm_head.numel()) / slow[0]
-    assert mod.overlap_floor_s(split, batch, batch, 0, slow, bw, 0) == pytest.approx(flop_s)
-    weight_bytes = mod.layer_weight_bytes(model) + model.lm_head.numel() * 4
-    for kv_bytes in (0, 1e9, 1e14):
-        serial = max(flop_s, weight_bytes / bw) + kv_bytes / bw
-        floors = [mod.overlap_floor_s(split, batch, batch, kv_bytes, slow, bw, l2)
-                  for l2 in (0, 1 << 10, 1 << 20, 1 << 40)]
-        assert all(a >= b * (1 - 1e-12) for a, b in itertools.pairwise(floors))
-        assert max(flop_s, kv_bytes / bw) * (1 - 1e-12) <= floors[0] <= serial * (1 + 1e-12)
-    down = model.layers[0].down
-    mlp_s = 2 * batch * 3 * len(model.layers) * down.numel() / slow[0]
-    head_s = 2 * batch * model.lm_head.numel() / slow[0]
-    assert mod.overlap_floor_s(split, batch, batch, 1e14, slow, bw, 0) == pytest.approx(
-        mlp_s + head_s + 1e14 / bw)
-    assert mod.overlap_floor_s(split, batch, batch, 1e14, slow, bw, 1 << 40) == pytest.approx(
-        head_s + 1e14 / bw)
 
 
 def test_kv_cache_dtype_scores_both_caches_along_one_path(tmp_path, tiny_model, capsys,
