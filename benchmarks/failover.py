@@ -1,5 +1,6 @@
 """Scale-out and failover, measured on the real pieces: 3 ``chatgate serve`` replicas behind
-HAProxy (deploy/haproxy.cfg) sharing one private Redis, all on loopback (benchmarks/cluster.py).
+HAProxy (deploy/haproxy.cfg) sharing one private Redis, all on loopback
+(tests/scale_cluster.py).
 
 1. Affinity: ``--sessions`` chat sessions (default 32, all concurrent) hold ``--turns`` turns
    each with every replica up; the share of turns answered by the replica of the session's
@@ -35,17 +36,18 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the test machinery
 
 import httpx  # noqa: E402
-
-from benchmarks._common import add_out_argument, open_log, table  # noqa: E402
-from benchmarks.cluster import (  # noqa: E402
+from scale_cluster import (  # noqa: E402
     ChatSession,
     Cluster,
     TurnResult,
     stored_messages,
     stream_turn,
 )
+
+from benchmarks._common import add_out_argument, open_log, table  # noqa: E402
 
 TOPICS = ["the water cycle", "how a CPU cache works", "the history of Rome", "photosynthesis",
           "how vaccines work", "plate tectonics", "the French revolution", "black holes"]

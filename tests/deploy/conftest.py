@@ -30,7 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cluster import free_port  # noqa: E402
+from scale_cluster import free_port  # noqa: E402
 
 REPLICAS = 3
 BUILD_TIMEOUT_S = 1800.0

@@ -16,8 +16,7 @@ import uuid
 
 import httpx
 import websockets
-
-from benchmarks.cluster import ChatSession, stored_messages, stream_turn
+from scale_cluster import ChatSession, stored_messages, stream_turn
 
 HANG_GUARD_S = 240  # far above any turn here: a stream that never ends fails, not hangs
 

@@ -1,20 +1,14 @@
 """One scale-out deployment shared by the module's tests: a private redis-server, 3
 ``chatgate serve`` replicas (SmolLM2 on CPU) and Debian's HAProxy running deploy/haproxy.cfg,
-all on loopback ports (benchmarks/cluster.py). Skipped only where the haproxy binary is
+all on loopback ports (tests/scale_cluster.py). Skipped only where the haproxy binary is
 missing."""
 
 from __future__ import annotations
 
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.cluster import Cluster, haproxy_available  # noqa: E402
+from scale_cluster import Cluster, haproxy_available
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ from collections import Counter
 
 import httpx
 import websockets
-
-from benchmarks.cluster import ChatSession, Cluster, TurnResult, stored_messages, stream_turn
+from scale_cluster import ChatSession, Cluster, TurnResult, stored_messages, stream_turn
 
 HANG_GUARD_S = 240  # far above any turn here: a stream that never ends fails, not hangs
 

@@ -1,4 +1,6 @@
-"""A scale-out deployment on loopback, shared by ``tests/scale`` and ``benchmarks/failover.py``:
+"""Test machinery: a scale-out deployment on loopback, shared by ``tests/scale``,
+``tests/deploy`` and ``benchmarks/failover.py`` (tests/ is on pytest's path through
+tests/conftest.py; the benchmark appends it):
 one private ``redis-server`` on a free port, N ``chatgate serve`` replicas, and HAProxy running
 ``deploy/haproxy.cfg`` with the replicas in place of its ``server-template`` line.
 
