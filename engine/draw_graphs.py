@@ -7,7 +7,7 @@ the graphs hold against ``sampler.draw``)."""
 
 import torch
 
-from engine.sampler import draw_plain, filled_keys
+from engine.sampler import draw_plain, filled_keys, plain
 from engine.sampling_params import SamplingParams
 from engine.stream_wait import HostSignal
 from engine.structured import GrammarMasks, apply_bitmask
@@ -44,6 +44,14 @@ class DrawGraphs:
         self._pool = None
         for size in sorted(logits, reverse=True):  # largest first: the others reuse its pool
             self._graphs[size, False, False, 0] = self._capture(size, False, False, 0)
+
+    @staticmethod
+    def covers(params: list[SamplingParams], masks: GrammarMasks | None) -> bool:
+        """Whether a graph draws these rows: all ``plain``, under masks a kernel reads in place
+        (``GrammarMasks.in_place``) if any, and not all greedy without masks (an argmax, left
+        to the eager sampler)."""
+        return all(map(plain, params)) and (masks.in_place if masks is not None
+                                            else not all(p.greedy for p in params))
 
     def draw(self, size: int, params: list[SamplingParams], keys: list[int | None],
              masks: GrammarMasks | None) -> torch.Tensor:

@@ -3,7 +3,6 @@
 so the scheduler counts the token it will compute, and the next step takes that token as
 input on the device (:meth:`InflightStep.feed`)."""
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,30 +17,26 @@ PLACEHOLDER = -1  # a sampled token the host has not read yet (token ids are nev
 @dataclass
 class InflightStep:
     """``rows`` maps the seq_id of each sequence that awaits its token to its row; ``masks``
-    are the grammar masks the tokens are drawn under, if any; once the tokens are drawn
-    (:meth:`drawn`), ``host[i]`` is the token of ``seqs[i]`` when ``ready`` has completed
-    (None: already there)."""
+    are the grammar masks the tokens were drawn under, if any; ``host[i]`` is the token of
+    ``seqs[i]`` when ``ready`` has completed (None: already there)."""
 
     seqs: list[Sequence]
     rows: dict[int, int]
-    masks: GrammarMasks | None = None
-    host: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None
+    masks: GrammarMasks | None
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
 
     @staticmethod
-    def launch(sampled: list[Sequence], masks: GrammarMasks | None) -> "InflightStep | None":
-        """Put a placeholder at the end of every ``sampled`` sequence still running; None when
-        there is none."""
+    def launch(sampled: list[Sequence], masks: GrammarMasks | None, host: torch.Tensor,
+               ready: torch.cuda.Event | None) -> "InflightStep":
+        """The step whose tokens, drawn for ``sampled`` (under ``masks``), land in ``host``
+        (``ModelRunner.keep_sampled``'s answer); a placeholder is put at the end of every
+        ``sampled`` sequence still running (one at least)."""
         live = [i for i, seq in enumerate(sampled) if not seq.is_finished]
+        assert live, "no sampled sequence is running"
         for i in live:
             sampled[i].token_ids.append(PLACEHOLDER)
-        if not live:
-            return None
-        return InflightStep(sampled, {sampled[i].seq_id: i for i in live}, masks)
-
-    def drawn(self, host: torch.Tensor, ready: torch.cuda.Event | None) -> None:
-        """Record where the tokens land (``ModelRunner.keep_sampled``'s answer)."""
-        self.host, self.ready = host, ready
+        return InflightStep(sampled, {sampled[i].seq_id: i for i in live}, masks, host, ready)
 
     def feed(self, seqs: list[Sequence]) -> np.ndarray:
         """For ``ModelRunner.execute``: each sequence's row here if its input is the token in
@@ -49,19 +44,18 @@ class InflightStep:
         return np.fromiter((self.rows.get(seq.seq_id, -1) for seq in seqs), dtype=np.int64,
                            count=len(seqs))
 
-    def tokens(self) -> Iterator[tuple[Sequence, int]]:
-        """Wait for the tokens (a grammar job's error is raised here), then each sequence still
-        waiting for its token (not aborted meanwhile) with that token, its placeholder
-        removed."""
-        assert self.host is not None, "the tokens are not drawn yet"
+    def tokens(self) -> list[tuple[Sequence, int]]:
+        """Wait for the tokens, then each sequence still waiting for its token (not aborted
+        meanwhile) with that token, its placeholder removed. (Whether the grammar masks they
+        were drawn under were filled is for ``Grammars.advance`` to say.)"""
         if self.ready is not None:
             self.ready.synchronize()
-        if self.masks is not None:
-            self.masks.result()
         values = self.host.tolist()
+        tokens = []
         for i in self.rows.values():
             seq = self.seqs[i]
             if seq.is_finished:  # aborted while in flight (the abort removed the placeholder)
                 continue
             seq.token_ids.pop()
-            yield seq, values[i]
+            tokens.append((seq, values[i]))
+        return tokens

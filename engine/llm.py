@@ -18,11 +18,11 @@ Conversation = list[dict]
 
 class LLM:
     def __init__(self, model: str = "smollm2", *, loaded: LoadedModel | None = None,
-                 **options: object) -> None:
+                 time_steps: bool = False, **options: object) -> None:
         """``options``: ``EngineConfig``'s fields (vLLM's names); ``loaded``: the model already
-        loaded (see ``LLMEngine``)."""
+        loaded, ``time_steps``: record the engine's ``step_timings`` (see ``LLMEngine``)."""
         self.engine = LLMEngine(EngineConfig(model=model, **options),  # type: ignore[arg-type]
-                                loaded=loaded)
+                                loaded=loaded, time_steps=time_steps)
         self._ids = itertools.count()
 
     @property

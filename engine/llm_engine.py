@@ -4,7 +4,7 @@ With overlapped scheduling (``EngineConfig.async_scheduling``) a step is launche
 previous one's tokens are read, and its rows are sampled once they are (penalties see every
 token); the grammar masks of its rows start filling in the grammar worker process once those
 tokens are read, and its draw is queued at once behind a wait for them (on a GPU the device waits,
-while the host goes on; see ``GrammarMasks.wait_on_device``). Each sampled sequence ends in
+while the host goes on; see ``engine.grammars``). Each sampled sequence ends in
 ``PLACEHOLDER`` until the next step resolves it (so the scheduler counts the token it will
 compute), the next step's input for it is taken on the device, and a sequence that the
 resolved token finishes has computed one token more, discarded. Between steps at most one step
@@ -15,8 +15,6 @@ Not thread-safe: exactly one thread drives it (the caller of ``LLM``, or the loo
 process, ``engine.core``).
 """
 
-import importlib.util
-import logging
 import weakref
 
 import torch
@@ -24,7 +22,7 @@ import torch
 from engine.chat import render_chat
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.draw_graphs import DrawGraphs
+from engine.grammars import Grammars
 from engine.inflight import PLACEHOLDER, InflightStep
 from engine.info import EngineInfo
 from engine.kv_cache_manager import KVCacheManager
@@ -32,28 +30,29 @@ from engine.kv_transfer import KVTransfer
 from engine.loader import LoadedModel
 from engine.model_runner import build_runner, load_for_rank
 from engine.outputs import RequestOutput, TokenLogprob
-from engine.repetition import loops
 from engine.request import Request
-from engine.sampler import draw, draw_key, plain, sample, shaped
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
-from engine.structured import GrammarCompiler, GrammarMasks
+from engine.step_sampling import StepSampler
+from engine.step_timing import NO_CLOCK, NoClock, StepClock, StepTiming
+from engine.structured import GrammarMasks
 from engine.tensor_parallel import check_divisible, start_workers
-
-logger = logging.getLogger("engine")
+from engine.token_append import append_token, eos_token_ids
 
 
 class LLMEngine:
     """``track_pin_changes``: record session pins and unpins for :meth:`take_pin_changes` (the
-    engine process mirrors them to the gateway, which renders prompts against them)."""
+    engine process mirrors them to the gateway, which renders prompts against them).
+    ``step_timings``: each step's ``StepTiming`` (``engine.step_timing``), appended while it is
+    a list (``time_steps``, or set by whoever measures); None, the default: nothing is timed."""
 
     def __init__(self, config: EngineConfig, track_pin_changes: bool = False,
-                 loaded: LoadedModel | None = None) -> None:
+                 loaded: LoadedModel | None = None, time_steps: bool = False) -> None:
         """``loaded``: an already loaded ``config.model`` on ``config``'s device and dtype
         (weights shared with something else, e.g. a transformers model in a benchmark);
-        by default the engine loads it."""
+        by default the engine loads it. ``time_steps``: record ``step_timings``."""
         self.config = config
         torch.manual_seed(config.seed)
         own_weights = loaded is None
@@ -85,8 +84,8 @@ class LLMEngine:
             max(1, config.max_num_seqs // 16) if self.runner.graph_sizes else 1)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    admission_batch)
-        self.eos_token_ids = self._eos_token_ids()
-        self._grammar_compiler: GrammarCompiler | None = None
+        self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.runner.device)
         self.info = EngineInfo(
             model_name=self.model_name, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None,
@@ -99,28 +98,11 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda" and tp is None)
         self._inflight: InflightStep | None = None
-        # overlapped steps draw through CUDA graphs where they can (``_draw``)
-        self.draw_graphs = (DrawGraphs({size: logits for size, (_, logits)
-                                        in self.runner.graphs.items()})
-                            if self.async_scheduling and self.runner.graphs else None)
-
-    def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (self.hf_config, self.tokenizer):
-            eos = getattr(source, "eos_token_id", None) if source is not None else None
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, list):
-                ids.update(eos)
-        return ids
-
-    def _grammars(self) -> GrammarCompiler:
-        if self.tokenizer is None:
-            raise ValueError("structured output needs a tokenizer; this model has none")
-        if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
-                                                     self.runner.device)
-        return self._grammar_compiler
+        self.step_timings: list[StepTiming] | None = [] if time_steps else None
+        # overlapped steps draw through CUDA graphs where they can
+        self.sampler = StepSampler(self.eos_token_ids, {
+            size: logits for size, (_, logits) in self.runner.graphs.items()
+        } if self.async_scheduling else None)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -151,7 +133,7 @@ class LLMEngine:
                                  session_id=session_id if index == 0 else None,
                                  cache_salt=cache_salt))
             if params.structured is not None:
-                seqs[-1].matcher = self._grammars().matcher(params.structured)
+                self.grammars.attach(seqs[-1], params.structured)
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
             if self.tokenizer is not None else None
@@ -189,22 +171,15 @@ class LLMEngine:
     def start_grammar_worker(self) -> None:
         """Start the grammar worker now, not with the first structured request, whose steps
         would wait for its start (seconds) with every request in them; the engine process does
-        this. Nothing without a tokenizer or xgrammar; a failure is logged (structured requests
-        meet it again)."""
-        if self.tokenizer is None or importlib.util.find_spec("xgrammar") is None:
-            return
-        try:
-            self._grammars().start()
-        except Exception:  # noqa: BLE001 - the engine serves unconstrained requests regardless
-            logger.exception("the grammar worker could not start")
+        this (see ``Grammars.start``)."""
+        self.grammars.start()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and the grammar worker, if any (also done when the
         engine is collected or the interpreter exits); the engine takes no step after it."""
         if self.runner.tp is not None:
             self.runner.tp.shutdown()
-        if self._grammar_compiler is not None:
-            self._grammar_compiler.close()
+        self.grammars.close()
 
     def take_pin_changes(self) -> dict[str, list[int] | None]:
         """Sessions pinned (their token ids) or unpinned (None) since the last call; empty
@@ -219,7 +194,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and return an output for every request that
         produced tokens (unless it is ``final_only``) or finished; with overlapped scheduling,
-        the outputs are those of the step before (see the module docstring)."""
+        the outputs are those of the step before (see the module docstring). Timed into
+        ``step_timings`` while that is a list."""
+        if self.step_timings is None:
+            return self._step(NO_CLOCK)
+        clock = StepClock(self.runner.device)
+        outputs = self._step(clock)
+        self.step_timings.append(clock.stop())
+        return outputs
+
+    def _step(self, clock: StepClock | NoClock) -> list[RequestOutput]:
         if self.kv_transfer is not None:
             self.kv.complete_offloads(self.kv_transfer.poll())
         batch = self.scheduler.schedule()
@@ -229,24 +213,37 @@ class LLMEngine:
         sampled = [batch.seqs[i] for i in sample_indices]
         overlap = (self.async_scheduling and bool(batch.seqs)
                    and all(self._overlappable(seq) for seq in sampled))
+        clock.lap("schedule")
         outputs: list[RequestOutput] = []
         if not overlap and self._inflight is not None:
-            outputs = self._resolve_inflight()
+            outputs = self._resolve_inflight(clock)
             batch = self._without_finished(batch)
             sample_indices = self._sample_indices(batch)
         if not batch.seqs:
-            return outputs + self._resolve_inflight()
+            return outputs + self._resolve_inflight(clock)
         feed = self._inflight.feed(batch.seqs) if self._inflight is not None else None
-        logits = self.runner.execute(batch, sample_indices, feed,
-                                     self.runner.host_metadata(batch))
+        metadata = self.runner.host_metadata(batch)
+        clock.lap("prepare")
+        logits = self.runner.execute(batch, sample_indices, feed, metadata)
+        clock.lap("forward")
         if overlap:  # the previous step's tokens are read while this one runs
-            resolved, masks = self._read_and_mask(sampled)
+            resolved = self._read_inflight()
+            clock.lap("read")
+            # the masks fill in the grammar worker while the resolved tokens are appended
+            masks = self.grammars.prepare(sampled, self.runner.last_graph_size or 0)
+            clock.lap("grammar")
             outputs = self._apply_tokens(resolved)
+            clock.lap("outputs")
             self._launch_draw(sampled, logits, masks)
             self._commit(batch)
+            clock.lap("draw")
             return outputs
         self._commit(batch)
-        return outputs + self._sample_now(batch, sample_indices, logits)
+        tokens = self._sample_now(batch, sample_indices, logits)
+        clock.lap("sample")
+        outputs += self._apply_tokens(tokens)
+        clock.lap("outputs")
+        return outputs
 
     @staticmethod
     def _sample_indices(batch: ScheduledBatch) -> list[int]:
@@ -266,59 +263,12 @@ class LLMEngine:
         """Draw ``sampled``'s tokens without waiting for them (they become the in-flight step),
         under grammar ``masks`` (being filled) if any. A row a resolved token finished is drawn
         as it is (its token is discarded)."""
-        params = [seq.params for seq in sampled]
-        keys = [self._key(seq) for seq in sampled]
-        histories = self._histories(sampled)
-        inflight = InflightStep.launch(sampled, masks)
-        if inflight is None:  # every row finished: nothing to draw
+        if all(seq.is_finished for seq in sampled):  # nothing to draw
             return
-        tokens = self._draw(logits, params, keys, histories, masks, self.runner.last_graph_size)
-        inflight.drawn(*self.runner.keep_sampled(tokens))
-        self._inflight = inflight  # only once drawn: a draw that raised leaves none in flight
-
-    def _draw(self, logits: torch.Tensor, params: list[SamplingParams],
-              keys: list[int | None], histories: list[tuple[list[int], list[int]]],
-              masks: GrammarMasks | None, graph_size: int | None) -> torch.Tensor:
-        """The rows' tokens, left on the device: through the draw's CUDA graph where the logits
-        are a decode graph's and every row is ``plain`` (unless all are greedy and unmasked: an
-        argmax), else by the eager sampler."""
-        draws = self.draw_graphs
-        if (graph_size is not None and draws is not None and all(map(plain, params))
-                and (masks.device is not None if masks is not None
-                     else not all(p.greedy for p in params))):
-            return draws.draw(graph_size, params, keys, masks)
-        return draw(self._shaped(logits, params, histories, masks), params, keys)
-
-    def _read_and_mask(self, sampled: list[Sequence]
-                       ) -> tuple[list[tuple[Sequence, int, TokenLogprob | None]],
-                                  GrammarMasks | None]:
-        """The in-flight step's tokens (:meth:`_read_inflight`), then ``sampled``'s grammar
-        masks, filled from them while the rest of the step runs (:meth:`_masks`)."""
-        resolved = self._read_inflight()
-        return resolved, self._masks(sampled)
-
-    def _masks(self, sampled: list[Sequence]) -> GrammarMasks | None:
-        """The grammar masks of ``sampled``'s rows, being filled (None: no row has one)."""
-        matchers = [None if seq.is_finished else seq.matcher for seq in sampled]
-        if all(m is None for m in matchers):
-            return None
-        return self._grammars().masks(matchers, self.runner.last_graph_size or 0)
-
-    @staticmethod
-    def _histories(sampled: list[Sequence]) -> list[tuple[list[int], list[int]]]:
-        """Each row's (prompt ids, output ids) where its params shape its logits (penalties)."""
-        return [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids)
-                if s.params.shapes_logits else ([], []) for s in sampled]
-
-    def _shaped(self, logits: torch.Tensor, params: list[SamplingParams],
-                histories: list[tuple[list[int], list[int]]],
-                masks: GrammarMasks | None) -> torch.Tensor:
-        """The logits the rows choose from: penalties, then grammar masks (waited for)."""
-        if masks is None and not any(p.shapes_logits for p in params):
-            return logits
-        return shaped(logits, params, histories, self.eos_token_ids,
-                      (lambda x: self._grammars().apply(masks, x)) if masks is not None
-                      else None)
+        tokens = self.sampler.draw(sampled, logits, masks, self.runner.last_graph_size)
+        # only once drawn: a draw that raised leaves none in flight
+        self._inflight = InflightStep.launch(sampled, masks,
+                                             *self.runner.keep_sampled(tokens))
 
     @staticmethod
     def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
@@ -328,31 +278,24 @@ class LLMEngine:
         return ScheduledBatch([batch.seqs[i] for i in keep],
                               [batch.num_new_tokens[i] for i in keep], batch.copies)
 
-    def _key(self, seq: Sequence) -> int | None:
-        return (draw_key(seq.seed, seq.num_tokens - seq.num_prompt_tokens)
-                if seq.seed is not None else None)
-
-    def _resolve_inflight(self) -> list[RequestOutput]:
+    def _resolve_inflight(self, clock: StepClock | NoClock) -> list[RequestOutput]:
         """Read the in-flight step's tokens into their sequences (stop checks, text) and
         return the outputs they make."""
-        return self._apply_tokens(self._read_inflight())
+        resolved = self._read_inflight()
+        clock.lap("read")
+        outputs = self._apply_tokens(resolved)
+        clock.lap("outputs")
+        return outputs
 
     def _read_inflight(self) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """Wait for the in-flight step's tokens and record the grammars' ones (see
-        ``GrammarCompiler.accept``)."""
+        """Wait for the in-flight step's tokens and advance the grammars by them (a failed
+        mask job they were drawn under raises here)."""
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return []
-        tokens = [(seq, token, None) for seq, token in inflight.tokens()]
-        self._record_grammar_tokens(tokens)
-        return tokens
-
-    def _record_grammar_tokens(self, tokens: list[tuple[Sequence, int, TokenLogprob | None]]
-                               ) -> None:
-        """Record the constrained rows' tokens for their matchers (see ``GrammarCompiler``)."""
-        constrained = [(seq.matcher, token) for seq, token, _ in tokens if seq.matcher is not None]
-        if constrained:
-            self._grammars().accept([m for m, _ in constrained], [t for _, t in constrained])
+        tokens = inflight.tokens()
+        self.grammars.advance(inflight.masks, tokens)
+        return [(seq, token, None) for seq, token in tokens]
 
     def _commit(self, batch: ScheduledBatch) -> None:
         """Record the KV the step computed, for the sequences still running."""
@@ -366,9 +309,9 @@ class LLMEngine:
             self.kv.commit(seq, n)
 
     def _sample_now(self, batch: ScheduledBatch, sample_indices: list[int],
-                    logits: torch.Tensor) -> list[RequestOutput]:
-        """Sample on the host's watch (grammars, penalties, logprobs, forks) and apply the
-        tokens at once."""
+                    logits: torch.Tensor) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """Sample on the host's watch (grammars, penalties, logprobs, forks): the tokens, read,
+        and the grammars advanced by them."""
         rows: list[int] = []
         sampled: list[Sequence] = []
         for row, index in enumerate(sample_indices):
@@ -385,16 +328,10 @@ class LLMEngine:
                 request.pending_forks = []
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        params = [s.params for s in sampled]
-        masks = self._masks(sampled)
-        token_ids, logprobs = sample(
-            logits, params, [self._key(s) for s in sampled],
-            choose_from=self._shaped(logits, params, self._histories(sampled), masks))
-        if masks is not None:
-            masks.result()  # (ended before the tokens were read: raises the job's error)
-        tokens = list(zip(sampled, token_ids, logprobs, strict=True))
-        self._record_grammar_tokens(tokens)
-        return self._apply_tokens(tokens)
+        masks = self.grammars.prepare(sampled, self.runner.last_graph_size or 0)
+        token_ids, logprobs = self.sampler.sample(sampled, logits, masks)
+        self.grammars.advance(masks, list(zip(sampled, token_ids, strict=True)))
+        return list(zip(sampled, token_ids, logprobs, strict=True))
 
     def _apply_tokens(self, tokens: list[tuple[Sequence, int, TokenLogprob | None]]
                       ) -> list[RequestOutput]:
@@ -404,7 +341,9 @@ class LLMEngine:
         for seq, token, logprob in tokens:
             request = self.requests[seq.request_id]
             touched[request.request_id] = request
-            self._append_token(request, seq, token, logprob)
+            if append_token(request, seq, token, logprob, self.eos_token_ids,
+                            self.max_model_len, self.grammars):
+                self.scheduler.finish(seq)
         outputs = []
         for request in touched.values():
             finished = request.finished
@@ -416,37 +355,6 @@ class LLMEngine:
             else:
                 outputs.append(request.delta_output(finished))
         return outputs
-
-    def _append_token(self, request: Request, seq: Sequence, token_id: int,
-                      logprob: TokenLogprob | None) -> None:
-        seq.token_ids.append(token_id)
-        if seq.logprobs is not None and logprob is not None:
-            seq.logprobs.append(logprob)
-            seq.cumulative_logprob += logprob.logprob
-        detok = request.detokenizers[seq.index]
-        params = seq.params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif token_id in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token_id
-        else:
-            if detok is not None:
-                request.unsent_text[seq.index] += detok.append(token_id)
-            if detok is not None and detok.stop_reason is not None:
-                seq.finish_reason, seq.stop_reason = "stop", detok.stop_reason
-            elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-                seq.finish_reason = "length"
-            elif seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
-            elif seq.matcher is not None and token_id in self._grammars().stop_token_ids:
-                seq.finish_reason = "stop"  # the grammar is complete
-            elif (params.repetition_guard and seq.matcher is None  # (a grammar bounds its own)
-                  and loops(seq.token_ids, seq.num_output_tokens)):
-                seq.finish_reason = "repetition"
-        if seq.finish_reason is not None:
-            if detok is not None and detok.stop_reason is None:
-                request.unsent_text[seq.index] += detok.flush()
-            self.scheduler.finish(seq)
 
     # -- chat --------------------------------------------------------------------------------
 

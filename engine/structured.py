@@ -219,6 +219,11 @@ class GrammarMasks:
     device: torch.Tensor | None = None
 
     @property
+    def in_place(self) -> bool:
+        """Whether device kernels read the masks where the worker writes them (``device``)."""
+        return self.device is not None
+
+    @property
     def ended_bits(self) -> int:
         """The bits ``signal`` has once the masks are filled (``grammar_process.ended_bits``:
         fixed for every other job, so a CUDA graph can hold a wait for them)."""

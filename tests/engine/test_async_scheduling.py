@@ -134,7 +134,7 @@ def test_a_killed_grammar_worker_fails_the_step_waiting_for_it_and_a_new_one_ser
     llm = LLM("smollm2", max_model_len=512, num_kv_blocks=64, async_scheduling=overlap)
     params = SamplingParams(temperature=0, max_tokens=20, structured=CITY)
     want = llm.generate([_prompts(llm)[1]], params)[0].outputs[0].token_ids
-    first = llm.engine._grammar_compiler._worker
+    first = llm.engine.grammars.compiler._worker
     submit = GrammarWorker.submit
     submitted = []
 
@@ -151,7 +151,7 @@ def test_a_killed_grammar_worker_fails_the_step_waiting_for_it_and_a_new_one_ser
     for request_id in list(llm.engine.requests):
         llm.engine.abort(request_id)
     assert llm.generate([_prompts(llm)[1]], params)[0].outputs[0].token_ids == want
-    assert llm.engine._grammar_compiler._worker is not first
+    assert llm.engine.grammars.compiler._worker is not first
     assert llm.engine.kv.pool.num_used == 0
 
 

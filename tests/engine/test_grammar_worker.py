@@ -19,7 +19,7 @@ SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required
 
 @pytest.fixture
 def worker(llm: LLM) -> GrammarWorker:
-    grammars = llm.engine._grammars()
+    grammars = llm.engine.grammars.compiler
     info = grammars._tokenizer_info()
     worker = GrammarWorker(info.serialize_json(), (grammars.vocab_size + 31) // 32, pin=False)
     worker.answers = False  # as where the GPU waits on the signal word

@@ -146,10 +146,10 @@ def test_a_grammar_worker_started_ahead_serves_the_first_structured_request() ->
     any structured request; the first one is served by that worker."""
     llm = LLM("smollm2", max_model_len=512, num_kv_blocks=64)
     llm.engine.start_grammar_worker()
-    worker = llm.engine._grammar_compiler._worker
+    worker = llm.engine.grammars.compiler._worker
     assert worker is not None and worker.exit_code is None
     out = llm.chat([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=120,
                                                 structured=StructuredOutput(
                                                     json_schema=json.dumps(SCHEMA))))
     check(out)
-    assert llm.engine._grammar_compiler._worker is worker
+    assert llm.engine.grammars.compiler._worker is worker
