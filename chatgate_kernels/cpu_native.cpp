@@ -1,6 +1,6 @@
-// Fused CPU kernels of the kernel contract (kernels/__init__.py), built at first use by
-// kernels/cpu_native.py. Compiled with -ffp-contract=off: no multiply-add is fused, so the
-// rotary rounds exactly where transformers' op-by-op torch code rounds.
+// Fused CPU kernels of the kernel contract (chatgate_kernels/__init__.py), built at first use
+// by chatgate_kernels/cpu_native.py. Compiled with -ffp-contract=off: no multiply-add is fused,
+// so the rotary rounds exactly where transformers' op-by-op torch code rounds.
 //
 // - paged_attention: every row of a varlen batch (decode and extend) reads its keys and values
 //   through the block table in place, with float32 scores and accumulators; no gathered copy.
@@ -16,9 +16,10 @@
 //   see int4_pack), a plain loop elsewhere. Both prefetch the rows ahead: cold weights are
 //   the time of a decode step.
 // - DecoderStack: the quantized path's decoder layers, all of them in one call per step, made of
-//   the kernels above with the dtypes and order of engine/model.py's op-by-op code (so the same
-//   bits), without a Python round trip per op: hundreds of small ops per step otherwise cost
-//   more than the products of a one-row decode step.
+//   the kernels above with the dtypes and order of the op-by-op layers of
+//   engine/quantized_cpu_model.py (so the same bits), without a Python round trip per op:
+//   hundreds of small ops per step otherwise cost more than the products of a one-row decode
+//   step.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>

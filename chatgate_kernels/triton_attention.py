@@ -1,7 +1,8 @@
 """Triton paged attention over a flattened varlen batch (contract in
 ``chatgate_kernels/__init__.py``).
 
-Two kernels share one entry point, with no host synchronisation:
+Two kernels (``triton_attention_decode``, ``triton_attention_extend``) share this entry point,
+with no host synchronisation:
 
 - decode rows (``q_len == 1``): split-K flash-decoding. One program owns one (sequence, KV
   head, split) and processes every query head of that KV head at once (GQA packing, the head
@@ -27,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
+
+from chatgate_kernels.triton_attention_decode import decode_kernel, reduce_kernel
+from chatgate_kernels.triton_attention_extend import extend_kernel
 
 # Launch configurations keyed by "16"/"32"-bit queries and "8" for 16-bit queries over an FP8
 # cache (benchmarks/attention_kernels.py sweeps alternatives; correctness does not depend on them).
@@ -55,271 +58,6 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4  # decode aims for about this many programs per multiprocessor
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` accumulated in float32; ``UPCAST`` works around the interpreter's bf16 dot.
-
-    Products of 16-bit operands are exact in float32, so upcasting first is a faithful
-    emulation of the tensor-core path (TRITON_INTERPRET=1 mis-computes bf16 ``tl.dot``).
-    """
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
-def _load_rows(cache_ptr, rows, d, valid, MASK: tl.constexpr):
-    """The cache rows at offsets ``rows`` (``valid`` masks them with ``MASK``)."""
-    if MASK:
-        x = tl.load(cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    else:
-        x = tl.load(cache_ptr + rows[:, None] + d[None, :])
-    return x
-
-
-@triton.jit
-def _token_rows(tok, valid, table, kv_off, stride_cb, stride_ct, stride_bb,
-                BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr):
-    """Cache row offsets of the tokens ``tok`` through their block table, one entry per token
-    (``valid`` masks the lookups with ``MASK``)."""
-    if MASK:
-        block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb, mask=valid, other=0)
-    else:
-        block = tl.load(table + (tok // BLOCK_SIZE) * stride_bb)
-    return block.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_ct + kv_off
-
-
-@triton.jit
-def _online_softmax_step(s, m, lsum, acc, v_cache_ptr, rows, d, valid, qk_scale, dtype,
-                         MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """One key tile's scores ``s`` into the running max ``m``, sum ``lsum`` and output ``acc``
-    (the tile's values read at cache ``rows``; ``valid`` masks them with ``MASK``)."""
-    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-    p = tl.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m - m_new)
-    lsum = lsum * alpha + tl.sum(p, 1)
-    v = _load_rows(v_cache_ptr, rows, d, valid, MASK)
-    acc = acc * alpha[:, None] + _dot(p.to(dtype), v.to(dtype), PRECISION, UPCAST)
-    return m_new, lsum, acc
-
-
-@triton.jit
-def _decode_tile(
-    q, m, lsum, acc, start, hi, table, k_cache_ptr, v_cache_ptr, kv_off, d,
-    qk_scale, stride_cb, stride_ct, stride_bb,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-    PAGE_ROWS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """One key tile of decode online softmax; ``MASK`` guards the tokens at and past ``hi``.
-    ``PAGE_ROWS`` reads one block-table entry per page (tiles start on page boundaries)."""
-    tok = start + tl.arange(0, BLOCK_N)
-    valid = tok < hi
-    if PAGE_ROWS:
-        page = start // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
-        if MASK:
-            block = tl.load(table + page * stride_bb, mask=page * BLOCK_SIZE < hi, other=0)
-        else:
-            block = tl.load(table + page * stride_bb)
-        rows = ((block.to(tl.int64) * stride_cb)[:, None]
-                + (tl.arange(0, BLOCK_SIZE) * stride_ct)[None, :])
-        # the reshape hides the strides' alignment from the compiler: restore it (a cache row
-        # starts at a multiple of 16 elements, as the strides Triton specialises on show)
-        rows = tl.multiple_of(tl.reshape(rows, [BLOCK_N]) + kv_off, 16)
-    else:
-        rows = _token_rows(tok, valid, table, kv_off, stride_cb, stride_ct, stride_bb,
-                           BLOCK_SIZE, MASK)
-    k = _load_rows(k_cache_ptr, rows, d, valid, MASK)
-    s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST)
-    if MASK:
-        s = tl.where(valid[None, :], s, float("-inf"))
-    return _online_softmax_step(s, m, lsum, acc, v_cache_ptr, rows, d, valid, qk_scale, q.dtype,
-                                MASK, PRECISION, UPCAST)
-
-
-@triton.jit
-def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    out_ptr, mid_o_ptr, mid_lse_ptr, row_order_ptr,
-    qk_scale, v_scale, num_splits,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ct, stride_ch,
-    stride_bs, stride_bb,
-    stride_ms, stride_mh, stride_mk,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_FP16: tl.constexpr, FULL_TILES: tl.constexpr, PAGE_ROWS: tl.constexpr,
-    ORDERED: tl.constexpr,
-):
-    """One (sequence, KV head, split): all query heads of the KV head over one token range."""
-    kv_head = tl.program_id(0)
-    if ORDERED:
-        seq = tl.load(row_order_ptr + tl.program_id(1)).to(tl.int32)
-    else:
-        seq = tl.program_id(1)
-    split = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) - q_start != 1:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    split_tokens = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_tokens
-    hi = tl.minimum(lo + split_tokens, seq_len)
-
-    g = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + g
-    head_ok = g < GROUP
-    d = tl.arange(0, HEAD_DIM)
-    q_row = q_start.to(tl.int64) * stride_qt
-    q = tl.load(q_ptr + q_row + heads[:, None] * stride_qh + d[None, :],
-                mask=head_ok[:, None], other=0.0)
-    if DOT_FP16:
-        q = q.to(tl.float16)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bs
-    kv_off = kv_head.to(tl.int64) * stride_ch
-
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    lsum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    if FULL_TILES:  # unmasked whole tiles, then at most one masked tile
-        full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
-        for start in range(lo, full_end, BLOCK_N):
-            m, lsum, acc = _decode_tile(
-                q, m, lsum, acc, start, hi, table, k_cache_ptr, v_cache_ptr, kv_off, d,
-                qk_scale, stride_cb, stride_ct, stride_bb,
-                BLOCK_SIZE, BLOCK_N, False, PAGE_ROWS, PRECISION, UPCAST,
-            )
-        if full_end < hi:
-            m, lsum, acc = _decode_tile(
-                q, m, lsum, acc, full_end, hi, table, k_cache_ptr, v_cache_ptr, kv_off, d,
-                qk_scale, stride_cb, stride_ct, stride_bb,
-                BLOCK_SIZE, BLOCK_N, True, PAGE_ROWS, PRECISION, UPCAST,
-            )
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            m, lsum, acc = _decode_tile(
-                q, m, lsum, acc, start, hi, table, k_cache_ptr, v_cache_ptr, kv_off, d,
-                qk_scale, stride_cb, stride_ct, stride_bb,
-                BLOCK_SIZE, BLOCK_N, True, PAGE_ROWS, PRECISION, UPCAST,
-            )
-
-    nonempty = lsum > 0
-    o = acc / tl.where(nonempty, lsum, 1.0)[:, None] * v_scale  # exact when v_scale is 1
-    if DIRECT:
-        dst = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-    else:
-        mid = seq.to(tl.int64) * stride_ms + heads * stride_mh + split * stride_mk
-        tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], o, mask=head_ok[:, None])
-        lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, lsum, 1.0)), float("-inf"))
-        tl.store(mid_lse_ptr + mid, lse, mask=head_ok)
-
-
-@triton.jit
-def _reduce_kernel(
-    out_ptr, mid_o_ptr, mid_lse_ptr, qsl_ptr,
-    num_splits,
-    stride_ot, stride_oh,
-    stride_ms, stride_mh, stride_mk,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-):
-    """Merge the decode splits of one (sequence, query head) by their log-sum-exp."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_start = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) - q_start != 1:
-        return
-    k = tl.arange(0, SPLITS_PAD)
-    k_ok = k < num_splits
-    d = tl.arange(0, HEAD_DIM)
-    mid = seq.to(tl.int64) * stride_ms + head * stride_mh + k * stride_mk
-    lse = tl.load(mid_lse_ptr + mid, mask=k_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    o = tl.load(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], mask=k_ok[:, None], other=0.0)
-    total = tl.sum(w, 0)
-    o = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    dst = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d
-    tl.store(dst, o.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _extend_tile(
-    q, m, lsum, acc, start, qpos, seq_len, table, k_cache_ptr, v_cache_ptr, kv_off, d,
-    qk_scale, stride_cb, stride_ct, stride_bb,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """One key tile of online softmax; ``MASK`` applies causality and the sequence end."""
-    tok = start + tl.arange(0, BLOCK_N)
-    valid = tok < seq_len
-    rows = _token_rows(tok, valid, table, kv_off, stride_cb, stride_ct, stride_bb, BLOCK_SIZE,
-                       MASK)
-    k = _load_rows(k_cache_ptr, rows, d, valid, MASK)
-    s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST)
-    if MASK:
-        s = tl.where(valid[None, :] & (tok[None, :] <= qpos[:, None]), s, float("-inf"))
-    return _online_softmax_step(s, m, lsum, acc, v_cache_ptr, rows, d, valid, qk_scale, q.dtype,
-                                MASK, PRECISION, UPCAST)
-
-
-@triton.jit
-def _extend_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    qk_scale, v_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ct, stride_ch,
-    stride_bs, stride_bb,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_FP16: tl.constexpr,
-):
-    """One (query tile, sequence, query head) of a sequence with ``q_len > 1``; the tiles
-    with the most keys (the last ones) are launched first."""
-    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    if q_len <= 1 or q_block * BLOCK_M >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    first = seq_len - q_len + q_block * BLOCK_M  # position of the tile's first query
-    r = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = r < q_len
-    qpos = seq_len - q_len + r
-    d = tl.arange(0, HEAD_DIM)
-    tokens = q_start.to(tl.int64) + r
-    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    if DOT_FP16:
-        q = q.to(tl.float16)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bs
-    kv_off = (head // GROUP).to(tl.int64) * stride_ch
-
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    lsum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys below it are visible to every row
-    for start in range(0, full_end, BLOCK_N):
-        m, lsum, acc = _extend_tile(
-            q, m, lsum, acc, start, qpos, seq_len, table, k_cache_ptr, v_cache_ptr, kv_off, d,
-            qk_scale, stride_cb, stride_ct, stride_bb,
-            BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST,
-        )
-    end = tl.minimum(first + BLOCK_M, seq_len)
-    for start in range(full_end, end, BLOCK_N):
-        m, lsum, acc = _extend_tile(
-            q, m, lsum, acc, start, qpos, seq_len, table, k_cache_ptr, v_cache_ptr, kv_off, d,
-            qk_scale, stride_cb, stride_ct, stride_bb,
-            BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST,
-        )
-    o = acc / lsum[:, None] * v_scale
-    dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
-    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @functools.lru_cache
@@ -464,7 +202,7 @@ def _decode(call: _Call, splits: int, max_seq_len: int,
         mid_lse = torch.empty(call.num_seqs, call.num_heads, splits, dtype=torch.float32,
                               device=out.device)
         mid_strides = (call.num_heads * splits, splits, 1)  # in rows of head_dim / lse entries
-    _decode_kernel[(call.num_kv_heads, call.num_seqs, splits)](
+    decode_kernel[(call.num_kv_heads, call.num_seqs, splits)](
         *call.tensors, out, mid_o, mid_lse, out if row_order is None else row_order,
         call.qk_scale, call.v_scale, splits,
         *call.strides, *mid_strides,
@@ -474,7 +212,7 @@ def _decode(call: _Call, splits: int, max_seq_len: int,
         ORDERED=row_order is not None, **call.constexprs,
     )
     if splits > 1:
-        _reduce_kernel[(call.num_seqs, call.num_heads)](
+        reduce_kernel[(call.num_seqs, call.num_heads)](
             out, mid_o, mid_lse, call.tensors[5], splits, out.stride(0), out.stride(1),
             *mid_strides, HEAD_DIM=call.head_dim, SPLITS_PAD=triton.next_power_of_2(splits),
             num_warps=REDUCE_WARPS,
@@ -485,7 +223,7 @@ def _extend(call: _Call, max_query_len: int) -> None:
     """The rows with more than one query token (prefill, extend)."""
     cfg = EXTEND_CONFIG[call.bits]
     grid = (math.ceil(max_query_len / cfg["BLOCK_M"]), call.num_seqs, call.num_heads)
-    _extend_kernel[grid](
+    extend_kernel[grid](
         *call.tensors, call.out, call.qk_scale, call.v_scale, *call.strides,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=max(cfg["BLOCK_N"], call.block_size),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **call.constexprs,

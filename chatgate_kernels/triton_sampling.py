@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from chatgate_kernels import reference
+from chatgate_kernels.reference import NOISE_FLOOR, NOISE_GOLDEN, NOISE_MIX1, NOISE_MIX2
 
 _BLOCK = 1024
 
@@ -37,7 +37,7 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
         grid = (keys.shape[0], triton.cdiv(vocab, _BLOCK))
         _exponential_noise_kernel[grid](
             keys.to(torch.int64).contiguous(), out, vocab, out.stride(0),
-            GOLDEN=reference.NOISE_GOLDEN, MIX1=reference.NOISE_MIX1,
-            MIX2=reference.NOISE_MIX2, FLOOR=reference.NOISE_FLOOR, BLOCK=_BLOCK,
+            GOLDEN=NOISE_GOLDEN, MIX1=NOISE_MIX1,
+            MIX2=NOISE_MIX2, FLOOR=NOISE_FLOOR, BLOCK=_BLOCK,
         )
     return out

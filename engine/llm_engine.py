@@ -28,9 +28,9 @@ from engine.info import EngineInfo
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer import KVTransfer
 from engine.loader import LoadedModel
-from engine.model_runner import build_runner, load_for_rank
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.request import Request
+from engine.runner_factory import build_runner, load_for_rank
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -38,7 +38,8 @@ from engine.stats import EngineStats
 from engine.step_sampling import StepSampler
 from engine.step_timing import NO_CLOCK, NoClock, StepClock, StepTiming
 from engine.structured import GrammarMasks
-from engine.tensor_parallel import check_divisible, start_workers
+from engine.tensor_parallel import check_divisible
+from engine.tensor_parallel_workers import start_workers
 from engine.token_append import append_token, eos_token_ids
 
 

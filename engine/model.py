@@ -2,12 +2,13 @@
 around the paged-attention kernels, computing over a flattened varlen batch.
 
 It mirrors transformers' Llama numerics op for op (separate projections, fp32 RMSNorm, the same
-rotary tables) so greedy tokens match transformers' token for token. The elementwise steps go
-through ``chatgate_kernels`` (fused Triton launches on CUDA that round where transformers
-rounds; on CPU the fused C++ rotary, bit-identical, and transformers' op-by-op torch code for
-the rest).
-Quantized on the CPU, the norms and SiLU·mul are the fused CPU kernels' (``fused_cpu``); FP8 on
-the GPU changes only the four products of each layer (``engine/quantization.py``).
+rotary tables) so greedy tokens match transformers' token for token. Attention and the
+elementwise steps go through the kernel backend chosen when the model is built
+(``chatgate_kernels.model_kernels``: fused Triton launches on CUDA that round where
+transformers rounds; on CPU the fused C++ rotary, bit-identical, and transformers' op-by-op
+torch code for the rest). Quantized on the CPU with the fused CPU kernels, the model is
+``engine.quantized_cpu_model.QuantizedCpuModel``; FP8 on the GPU changes only the four products
+of each layer (``engine/quantization.py``).
 """
 
 import logging
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-import chatgate_kernels
+from chatgate_kernels import ReferenceKernels, model_kernels
+from chatgate_kernels.reference import AttentionPlan
 from engine.quantization import (
     CPU_QUANTIZATIONS,
     Int8Linear,
@@ -45,11 +47,11 @@ class AttentionMetadata:
     # CUDA only: a static ``[num_tokens, num_heads, head_dim]`` buffer the attention writes
     # into (CUDA-graph capture); ``None`` lets the kernel allocate its output.
     attn_out: torch.Tensor | None = None
-    # CPU only: the step's index work for every layer's attention
-    # (``chatgate_kernels.attention_plan``)
-    plan: chatgate_kernels.reference.AttentionPlan | None = None
-    # CUDA only: the order the decode kernel starts the rows in, longest context first
-    # (``chatgate_kernels.decode_row_order``)
+    # the torch reference only: the step's index work for every layer's attention (the
+    # backend's ``attention_plan``)
+    plan: AttentionPlan | None = None
+    # Triton only: the order the decode kernel starts the rows in, longest context first
+    # (the backend's ``decode_row_order``)
     row_order: torch.Tensor | None = None
 
 
@@ -86,12 +88,14 @@ def _linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -
 class LlamaModel:
     """Weights are the loader's tensors (HF names), used in place: nothing is copied. With
     ``tp``, they are this rank's shard (``engine.tensor_parallel.Shard``) and the head
-    counts are this rank's."""
+    counts are this rank's. ``kv_cache_dtype`` (default: the model's dtype) is the dtype of
+    the KV cache :meth:`forward` will be given; with the device it picks ``kernels``."""
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor],
                  max_positions: int, fuse: bool | None = None,
                  vocab_limit: int | None = None, quantization: str | None = None,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         self.config = config
         self.tp = tp
         ranks = tp.world_size if tp is not None else 1
@@ -111,6 +115,8 @@ class LlamaModel:
         self.lm_head: Weight = weights.get("lm_head.weight", self.embed)
         self.device = self.embed.device
         self.dtype = self.embed.dtype
+        self.kv_cache_dtype = kv_cache_dtype or self.dtype
+        self.kernels: ReferenceKernels = model_kernels(self.device, self.kv_cache_dtype)
         quantization = resolve_quantization(quantization, self.device)
         check_quantization(quantization, self.device)
         if quantization is not None:
@@ -125,39 +131,17 @@ class LlamaModel:
         if quantization is not None:
             for layer in self.layers:
                 self._quantize(layer, quantization)
-        cpu_quantized = quantization in CPU_QUANTIZATIONS
-        if cpu_quantized:
+        if quantization in CPU_QUANTIZATIONS:
             self.lm_head = Int8Linear(self.lm_head)  # see engine/quantization.py
-        # quantized on the CPU: the fused CPU kernels' norm and SiLU·mul write the bfloat16
-        # activations the quantized products read; None where the elementwise steps are
-        # transformers' own op-by-op code (their rounding, for the float greedy oracle)
-        self.fused_cpu = (chatgate_kernels.cpu_native.native() if cpu_quantized and tp is None
-                          else None)
         rotary = LlamaRotaryEmbedding(config).to(self.device)
         positions = torch.arange(max_positions, device=self.device)[None, :]
         cos, sin = rotary(self.embed[:1], positions)
         self.cos, self.sin = cos[0], sin[0]
         # the norm after each layer's MLP: the next layer's input norm, then the final norm
         self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-        self.decoder_stack = self._decoder_stack()
         # each layer's (k_scale, v_scale) for an FP8 KV cache (set by the runner; see
         # chatgate_kernels)
         self.kv_scales = [(1.0, 1.0)] * len(self.layers)
-
-    def _decoder_stack(self):  # noqa: ANN202 - the compiled DecoderStack or None
-        """The fused CPU kernels' ``DecoderStack`` over every layer (one call per step, the same
-        arithmetic as :meth:`forward`'s op-by-op loop), where every product runs through them."""
-        if self.fused_cpu is None:
-            return None
-        operands = []
-        for layer, next_norm in zip(self.layers, self.next_norms, strict=True):
-            products = [p.fused_operands() for p in (layer.qkv, layer.o, layer.gate_up,
-                                                     layer.down)]
-            if any(p is None for p in products):
-                return None
-            operands.append([t for p in products for t in p] + [layer.post_norm, next_norm])
-        return self.fused_cpu.DecoderStack(operands, self.num_heads, self.num_kv_heads,
-                                           self.head_dim, self.eps, self.scale, self.dtype)
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> _Layer:
@@ -218,16 +202,21 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the final norm; writes this step's K/V
         into ``kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]``."""
-        n = input_ids.shape[0]
         h = self._embed(input_ids)  # the residual stream, updated in place
-        x = chatgate_kernels.rms_norm(h, self.layers[0].input_norm, self.eps)
-        if self.fused_cpu is not None:
-            x = x.to(torch.bfloat16)
+        x = self._input_norm(h)
         cos, sin = self.cos[positions], self.sin[positions]
-        if self.decoder_stack is not None and kv_cache.dtype in (torch.float32, torch.bfloat16):
-            return self.decoder_stack.forward(x, h, cos, sin, kv_cache, meta.slot_mapping,
-                                              meta.block_tables, meta.seq_lens,
-                                              meta.query_start_loc)
+        return self._decoder_layers(x, h, cos, sin, meta, kv_cache)
+
+    def _input_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The first layer's input: its input norm of the embeddings ``h``."""
+        return self.kernels.rms_norm(h, self.layers[0].input_norm, self.eps)
+
+    def _decoder_layers(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, meta: AttentionMetadata,
+                        kv_cache: torch.Tensor) -> torch.Tensor:
+        """Every decoder layer over the first layer's input ``x`` and the residual stream
+        ``h``, with the tokens' rotary rows ``cos``/``sin``: the final norm's output."""
+        n, kernels = x.shape[0], self.kernels
         last = len(self.layers) - 1
         for index, (layer, next_norm, (k_scale, v_scale)) in enumerate(
                 zip(self.layers, self.next_norms, self.kv_scales, strict=True)):
@@ -236,9 +225,9 @@ class LlamaModel:
             k = k.view(n, self.num_kv_heads, self.head_dim)
             v = v.view(n, self.num_kv_heads, self.head_dim)
             key_cache, value_cache = kv_cache[0, index], kv_cache[1, index]
-            chatgate_kernels.rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache,
-                                              meta.slot_mapping, k_scale, v_scale, meta.plan)
-            o = chatgate_kernels.paged_attention(
+            kernels.rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache,
+                                     meta.slot_mapping, k_scale, v_scale, meta.plan)
+            o = kernels.paged_attention(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
                 out=meta.attn_out, plan=meta.plan, k_scale=k_scale, v_scale=v_scale,
@@ -252,12 +241,9 @@ class LlamaModel:
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                   final: bool) -> torch.Tensor:
-        """``residual += x``, then its RMSNorm: the next linear layer's input (bfloat16 on the
-        fused CPU path), or with ``final`` the hidden states (the model's dtype)."""
-        if self.fused_cpu is None:
-            return chatgate_kernels.add_rms_norm(x, residual, weight, self.eps)
-        out = torch.empty(residual.shape, dtype=self.dtype if final else torch.bfloat16)
-        return self.fused_cpu.add_rms_norm(x, residual, weight, self.eps, out)
+        """``residual += x``, then its RMSNorm: the next linear layer's input, or with
+        ``final`` the hidden states (the same here; not in the quantized CPU model)."""
+        return self.kernels.add_rms_norm(x, residual, weight, self.eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows of ``input_ids``; with tensor parallelism each rank looks up the ids
@@ -287,12 +273,12 @@ class LlamaModel:
     def _gated(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate(x)) * up(x)``."""
         if layer.gate_up is not None:
-            gate_up = _linear(x, layer.gate_up)
-            if self.fused_cpu is not None:
-                out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-                return self.fused_cpu.silu_and_mul(gate_up, out)
-            return chatgate_kernels.silu_and_mul(gate_up)
+            return self._silu_and_mul(_linear(x, layer.gate_up))
         return F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up)
+
+    def _silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of the fused ``gate_up`` product."""
+        return self.kernels.silu_and_mul(gate_up)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype, as transformers computes them; the sampler upcasts

@@ -5,11 +5,8 @@ lengths, query offsets) is built with numpy and copied to the device without wai
 host synchronisation per step is the sampler reading the sampled tokens.
 
 CUDA graphs (CUDA only, off with ``EngineConfig.enforce_eager``): a pure-decode step (every row
-has one new token) of up to the largest captured batch size replays a graph captured at the
-next padded batch size (:func:`graph_batch_sizes`). The graph reads static buffers: padding rows
-have slot ``-1`` (nothing written), ``seq_len`` 0 (attention yields zeros) and block-table rows
-that hold valid ids; block tables are ``ceil(max_model_len / block_size)`` wide, and attention
-is captured with ``max_seq_len = max_model_len``, so one graph serves every context length.
+has one new token) of up to the largest captured batch size replays the decode graph of the
+next padded batch size (``engine/cuda_graphs.py``).
 
 An FP8 KV cache (``kv_cache_dtype="fp8"``) gets its per-layer scales at start-up, before any
 graph is captured: a forward pass over ``CALIBRATION_TOKENS`` seeded random token ids into a
@@ -20,84 +17,22 @@ FP8 maximum. Larger values saturate rather than overflow.
 import logging
 import math
 import os
-import time
 
 import numpy as np
 import torch
 
-import chatgate_kernels
+from chatgate_kernels.reference import FP8, FP8_MAX
 from engine.config import EngineConfig
-from engine.device import torch_device, torch_dtype
-from engine.loader import LoadedModel, load_model
+from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
 from engine.model import AttentionMetadata, LlamaModel
 from engine.scheduler import ScheduledBatch
-from engine.tensor_parallel import Shard, TensorParallel, device_for_rank
+from engine.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("engine.model_runner")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-MAX_GRAPH_BATCH_SIZE = 256
 CALIBRATION_TOKENS = 512
 FP8_HEADROOM = 2.0
-
-
-def graph_batch_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH_SIZE) -> list[int]:
-    """Decode batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 up to
-    ``min(max_num_seqs, limit)`` (that cap itself included when it is no multiple of 8)."""
-    cap = max(1, min(max_num_seqs, limit))
-    sizes = [s for s in (1, 2, 4) if s <= cap] + list(range(8, cap + 1, 8))
-    if sizes[-1] != cap:
-        sizes.append(cap)
-    return sizes
-
-
-def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
-    """The smallest captured size holding ``num_seqs`` rows, or None when none does."""
-    for size in sizes:
-        if size >= num_seqs:
-            return size
-    return None
-
-
-def model_len(config: EngineConfig, loaded: LoadedModel) -> int:
-    """The context length ``config`` asks for (default: the model's); ``ValueError`` past the
-    model's ``max_position_embeddings``."""
-    limit = loaded.config.max_position_embeddings
-    if config.max_model_len is not None and config.max_model_len > limit:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings {limit}")
-    return config.max_model_len or limit
-
-
-def load_for_rank(config: EngineConfig, rank: int = 0) -> LoadedModel:
-    """``config.model`` loaded onto rank ``rank``'s device: its share of the weights when
-    ``config.tensor_parallel_size`` > 1 (``ValueError`` if the model's sizes do not split)."""
-    world_size = config.tensor_parallel_size
-    return load_model(config.model, device_for_rank(torch_device(config), rank),
-                      torch_dtype(config), seed=config.seed, use_cache=config.use_weight_cache,
-                      tokenizer=config.tokenizer,
-                      shard=Shard(rank, world_size) if world_size > 1 else None)
-
-
-def build_runner(config: EngineConfig, tp: TensorParallel | None = None,
-                 loaded: LoadedModel | None = None, own_weights: bool = False) -> "ModelRunner":
-    """The model (this rank's shard of it under ``tp``) and its runner; loads the model unless
-    ``loaded`` is given (whole, or this rank's shard). With ``own_weights`` (always when it
-    loads the model itself) the weights are the runner's alone: ``loaded.state_dict`` is
-    emptied, so the float weights that quantized layers replace are freed before the runner
-    sizes the KV pool from the free device memory."""
-    if loaded is None:
-        loaded, own_weights = load_for_rank(config, tp.rank if tp is not None else 0), True
-    max_model_len = model_len(config, loaded)
-    weights = loaded.state_dict
-    if own_weights:
-        loaded.state_dict = {}
-    if tp is not None and loaded.shard is None:
-        weights = Shard(tp.rank, tp.world_size).weights(weights, loaded.config)
-    model = LlamaModel(loaded.config, weights, max_model_len, vocab_limit=loaded.vocab_limit,
-                       quantization=config.quantization, tp=tp)
-    del weights  # what the model did not keep goes now
-    return ModelRunner(model, config, max_model_len, tp)
 
 
 def one_host_thread() -> None:
@@ -115,7 +50,8 @@ def one_host_thread() -> None:
 
 class ModelRunner:
     """``tp``: this process's rank of a tensor-parallel group (rank 0 runs the engine and
-    sends each step's inputs to the others, which run :meth:`run_step` on them)."""
+    sends each step's inputs to the others, which run :meth:`run_step` on them). The KV cache
+    holds ``model.kv_cache_dtype``, the dtype the model's kernels were chosen for."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig, max_model_len: int,
                  tp: TensorParallel | None = None) -> None:
@@ -125,15 +61,14 @@ class ModelRunner:
         self.device = model.device
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        fp8 = config.kv_cache_dtype.startswith("fp8")
-        self.cache_dtype = chatgate_kernels.reference.FP8 if fp8 else model.dtype
+        self.cache_dtype = model.kv_cache_dtype  # the one its kernels were chosen for
         self.num_blocks = self._num_blocks(config, max_model_len)
         logger.info("allocating the KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
                     self.num_blocks, self.block_size,
                     self.num_blocks * self.bytes_per_block / 2**30, self.cache_dtype)
-        self.kv_cache = torch.zeros(self._cache_shape(self.num_blocks), dtype=self.cache_dtype,
+        self.kv_cache = torch.zeros(self.cache_shape(self.num_blocks), dtype=self.cache_dtype,
                                     device=self.device)
-        if fp8:
+        if self.cache_dtype == FP8:
             model.kv_scales = self._calibrate_kv_scales()
         # the last overlapped step's sampled tokens, which the next step reads as inputs
         # (``execute``'s ``feed``), and double-buffered host copies of them
@@ -141,25 +76,39 @@ class ModelRunner:
         self._sampled_host = torch.zeros(2, config.max_num_seqs, dtype=torch.long,
                                          pin_memory=self.device.type == "cuda")
         self._sampled_turn = 0
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.graph_sizes: list[int] = []
+        self.decode_graphs: DecodeGraphs | None = None
         # the padded size of the decode graph whose logits the last step returned (every row
         # sampled), else None
         self.last_graph_size: int | None = None
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         if self.device.type == "cuda" and not config.enforce_eager:
-            self._capture_graphs(graph_batch_sizes(config.max_num_seqs))
+            self.decode_graphs = DecodeGraphs(model, self.kv_cache, self.sampled, max_model_len,
+                                              self.max_blocks_per_seq,
+                                              graph_batch_sizes(config.max_num_seqs))
         if self.device.type == "cuda":
             one_host_thread()
 
-    def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+    @property
+    def graphs(self) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+        """The captured decode graphs and their static logits, by padded batch size (none
+        without CUDA graphs)."""
+        return self.decode_graphs.graphs if self.decode_graphs is not None else {}
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The batch sizes of the captured decode graphs, ascending."""
+        return self.decode_graphs.sizes if self.decode_graphs is not None else []
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The KV cache's shape with ``num_blocks`` blocks: ``[2, num_layers, num_blocks,
+        block_size, num_kv_heads, head_dim]``."""
         m = self.model
         return (2, len(m.layers), num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
-        return math.prod(self._cache_shape(1)) * self.cache_dtype.itemsize
+        return math.prod(self.cache_shape(1)) * self.cache_dtype.itemsize
 
     def _num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         if config.num_kv_blocks is not None:
@@ -191,12 +140,12 @@ class ModelRunner:
         per_seq = [-(-n // self.block_size) for n in lens]
         blocks = sum(per_seq)
         m = self.model
-        scratch = torch.zeros(self._cache_shape(blocks), dtype=self.cache_dtype,
+        scratch = torch.zeros(self.cache_shape(blocks), dtype=self.cache_dtype,
                               device=self.device)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        meta, position_ids = self._prefill_batch(lens)
+        meta, position_ids = self.prefill_batch(lens)
         with torch.inference_mode():
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             hidden = m.forward(ids, position_ids, meta, scratch)
@@ -214,7 +163,7 @@ class ModelRunner:
                     config.gpu_memory_utilization)
         return budget
 
-    def _prefill_batch(self, lens: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+    def prefill_batch(self, lens: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
         """Kernel inputs and positions of sequences of ``lens`` tokens prefilled from scratch
         into consecutive blocks from block 0 (the start-up forward passes)."""
         bs = self.block_size
@@ -232,9 +181,8 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
             max_query_len=max(lens), max_seq_len=max(lens),
-            plan=chatgate_kernels.attention_plan(block_tables, seq_lens, query_start_loc,
-                                                 slot_mapping, bs, self.model.num_kv_heads,
-                                                 self.model.dtype),
+            plan=self.model.kernels.attention_plan(block_tables, seq_lens, query_start_loc,
+                                                   slot_mapping, bs, self.model.num_kv_heads),
         )
         return meta, self._to_device(positions)
 
@@ -243,14 +191,14 @@ class ModelRunner:
         """Each layer's FP8 ``(k_scale, v_scale)`` from one forward pass (module docstring)."""
         m = self.model
         n = min(CALIBRATION_TOKENS, self.max_model_len)
-        scratch = torch.zeros(self._cache_shape(-(-n // self.block_size)), dtype=m.dtype,
+        scratch = torch.zeros(self.cache_shape(-(-n // self.block_size)), dtype=m.dtype,
                               device=self.device)
         vocab = m.vocab_limit or m.vocab_size
         ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
-        meta, positions = self._prefill_batch([n])
+        meta, positions = self.prefill_batch([n])
         m.forward(ids.to(self.device), positions, meta, scratch)
         amax = scratch.abs().amax(dim=(2, 3, 4, 5)).float()  # [2, num_layers]
-        scales = (amax * FP8_HEADROOM / chatgate_kernels.reference.FP8_MAX).clamp_min(1e-6).tolist()
+        scales = (amax * FP8_HEADROOM / FP8_MAX).clamp_min(1e-6).tolist()
         logger.info("FP8 KV scales: k %.3g..%.3g, v %.3g..%.3g", min(scales[0]), max(scales[0]),
                     min(scales[1]), max(scales[1]))
         return list(zip(scales[0], scales[1], strict=True))
@@ -327,11 +275,12 @@ class ModelRunner:
             raw[:, :, dst] = raw[:, :, src]
         n = len(host["seq_lens"])
         padded = (padded_batch_size(n, self.graph_sizes)
-                  if self.graphs and host["max_query_len"] == 1
+                  if self.decode_graphs is not None and host["max_query_len"] == 1
                   and host["block_tables"].shape[1] <= self.max_blocks_per_seq else None)
         self.last_graph_size = None
         if padded is not None:
-            logits = self._replay(host, n, padded, feed)[:n]
+            self.decode_graphs.load(host, n, padded, feed)
+            logits = self.decode_graphs.replay(padded)[:n]
             self.num_graph_steps += 1
             if sample_indices != list(range(n)):
                 return logits[self._to_device(np.asarray(sample_indices, dtype=np.int64))]
@@ -349,10 +298,10 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             max_query_len=host["max_query_len"],
             max_seq_len=host["max_seq_len"],
-            plan=chatgate_kernels.attention_plan(block_tables, seq_lens, query_start_loc,
-                                                 slot_mapping, self.block_size,
-                                                 self.model.num_kv_heads, self.cache_dtype),
-            row_order=chatgate_kernels.decode_row_order(seq_lens),
+            plan=self.model.kernels.attention_plan(block_tables, seq_lens, query_start_loc,
+                                                   slot_mapping, self.block_size,
+                                                   self.model.num_kv_heads),
+            row_order=self.model.kernels.decode_row_order(seq_lens),
         )
         input_ids = self._to_device(host["input_ids"])
         if feed is not None:
@@ -387,100 +336,27 @@ class ModelRunner:
             return tensor
         return tensor.to(self.device, non_blocking=True)
 
-    # -- CUDA graphs -------------------------------------------------------------------------
+    # -- measurement -------------------------------------------------------------------------
 
-    def _capture_graphs(self, sizes: list[int]) -> None:
-        start = time.perf_counter()
-        max_bs = sizes[-1]
-        m, dev = self.model, self.device
-        self._g = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
-            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32,
-                                        device=dev),
-            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-        }
-        self._attn_out = torch.zeros(max_bs, m.num_heads, m.head_dim, dtype=m.dtype, device=dev)
-        # Pinned host mirrors of the small buffers, copied in one go per step; the event guards
-        # their reuse (complete by the next step: the copies run before the step's forward).
-        self._pinned = torch.zeros(5, max_bs + 1, dtype=torch.long).pin_memory()
-        self._pinned_np = self._pinned.numpy()
-        self._pinned_tables = torch.zeros(max_bs * self.max_blocks_per_seq,
-                                          dtype=torch.int32).pin_memory()
-        self._pinned_tables_np = self._pinned_tables.numpy()
-        self._packed = torch.zeros(5, max_bs + 1, dtype=torch.long, device=dev)
-        self._packed_tables = torch.zeros(max_bs * self.max_blocks_per_seq, dtype=torch.int32,
-                                          device=dev)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+    def load_decode_batch(self, host: dict[str, np.ndarray], feed: np.ndarray | None = None
+                          ) -> int:
+        """Put the pure-decode step ``host`` (:meth:`host_metadata`'s form; ``input_ids``,
+        ``positions``, ``slot_mapping``, ``block_tables`` and ``seq_lens`` are read) into the
+        decode graphs' buffers, padded to the next captured batch size, which is returned.
+        ``ValueError`` without CUDA graphs or past the largest one."""
+        n = len(host["seq_lens"])
+        padded = padded_batch_size(n, self.graph_sizes)
+        if self.decode_graphs is None or padded is None:
+            raise ValueError(f"no decode CUDA graph holds a batch of {n}")
+        self.decode_graphs.load(host, n, padded, feed)
+        return padded
 
-        warm = torch.cuda.Stream()
-        warm.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(warm):
-            for size in sizes:  # JIT-compiles every kernel variant the graphs will use
-                self._decode_forward(size)
-        torch.cuda.current_stream().wait_stream(warm)
-        torch.cuda.synchronize()
-        pool = None
-        with torch.inference_mode():
-            for size in reversed(sizes):  # largest first: smaller graphs reuse its pool
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._decode_forward(size)
-                pool = graph.pool()
-                self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize()
-        self.graph_sizes = sizes
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs", len(sizes),
-                    sizes[0], max_bs, time.perf_counter() - start)
-
-    def _decode_forward(self, size: int) -> torch.Tensor:
-        g = self._g
-        meta = AttentionMetadata(
-            slot_mapping=g["slot_mapping"][:size],
-            block_tables=g["block_tables"][:size],
-            seq_lens=g["seq_lens"][:size],
-            query_start_loc=g["query_start_loc"][:size + 1],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            attn_out=self._attn_out[:size],
-            row_order=chatgate_kernels.decode_row_order(g["seq_lens"][:size]),
-        )
-        hidden = self.model.forward(g["input_ids"][:size], g["positions"][:size], meta,
-                                    self.kv_cache)
-        return self.model.compute_logits(hidden)
-
-    def _replay(self, host: dict[str, np.ndarray], n: int, padded: int,
-                feed: np.ndarray | None) -> torch.Tensor:
-        self._copied.synchronize()
-        p = self._pinned_np
-        p[0, :n] = host["input_ids"]
-        p[1, :n] = host["positions"]
-        p[2, :n] = host["slot_mapping"]
-        p[3, :n] = host["seq_lens"]
-        p[4, :n] = -1 if feed is None else feed
-        p[0:2, n:padded] = 0
-        p[2, n:padded] = -1
-        p[3, n:padded] = 0
-        p[4, n:padded] = -1
-        width = host["block_tables"].shape[1]
-        size = n * width
-        self._pinned_tables_np[:size] = host["block_tables"].reshape(-1)
-        g = self._g
-        self._packed[:, :padded].copy_(self._pinned[:, :padded], non_blocking=True)
-        self._packed_tables[:size].copy_(self._pinned_tables[:size], non_blocking=True)
-        self._copied.record()
-        g["block_tables"][:n, :width].copy_(self._packed_tables[:size].view(n, width))
-        g["input_ids"][:padded].copy_(self._packed[0, :padded])
-        if feed is not None:
-            src = self._packed[4, :padded]
-            ids = g["input_ids"][:padded]
-            ids.copy_(torch.where(src >= 0, self.sampled[src.clamp(min=0)], ids))
-        g["positions"][:padded].copy_(self._packed[1, :padded])
-        g["slot_mapping"][:padded].copy_(self._packed[2, :padded])
-        g["seq_lens"][:padded].copy_(self._packed[3, :padded])
-        graph, logits = self.graphs[padded]
-        graph.replay()
-        return logits
+    def decode_forward(self, batch_size: int, replay: bool = True) -> torch.Tensor:
+        """The logits ``[batch_size, vocab]`` of the decode batch last loaded by
+        :meth:`load_decode_batch` (``batch_size``: the padded size it returned): the
+        captured graph replayed, or with ``replay=False`` the same forward run eagerly."""
+        if self.decode_graphs is None:
+            raise ValueError("no decode CUDA graphs (a CPU engine, or enforce_eager)")
+        if replay:
+            return self.decode_graphs.replay(batch_size)
+        return self.decode_graphs.forward(batch_size)

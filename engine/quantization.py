@@ -22,7 +22,7 @@ many rows share its step.
 
 For GPUs with FP8 tensor cores (compute capability 8.9 or later), ``fp8`` is vLLM's dynamic
 FP8 scheme: weights as float8_e4m3fn with one scale per output row, activations quantized per
-row (token) as they arrive (``chatgate_kernels.fp8_per_token``), the product on the FP8 tensor
+row (token) as they arrive (the device's kernels' ``fp8_per_token``), the product on the FP8 tensor
 cores (``torch._scaled_mm``, float32 accumulation) at twice bfloat16's rate from half its
 weight bytes. The output layer stays in the model's dtype, as in vLLM. The CPU runs the same
 arithmetic through torch's reference FP8 product (slow: there it is for checks, and
@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import torch
 
-import chatgate_kernels
-from chatgate_kernels import reference
+from chatgate_kernels import device_kernels, reference
 from chatgate_kernels.cpu_native import native
 
 INT4_GROUP = 32  # Q4_1's block size
@@ -168,9 +167,10 @@ class Fp8Linear:
         self.weight = codes  # [out, in]; its transpose is the column-major operand
         self.scales = scales.view(1, -1)  # [1, out]
         self.bias = bias
+        self.kernels = device_kernels(weight.device.type)  # quantizes the activations
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        codes, scales = chatgate_kernels.fp8_per_token(x)
+        codes, scales = self.kernels.fp8_per_token(x)
         y = torch._scaled_mm(codes, self.weight.t(), scale_a=scales, scale_b=self.scales,
                              out_dtype=torch.bfloat16)
         return _biased(y, self.bias, x.dtype)

@@ -9,7 +9,8 @@ the embedding is an all-reduce of each rank's rows (zeros for ids outside them) 
 all-gather of each rank's vocabulary slice.
 
 Rank 0 is the engine's own process: the scheduler, the block manager, the sampler and every
-request live there alone. Ranks 1..N-1 are worker processes (:func:`start_workers`), each with
+request live there alone. Ranks 1..N-1 are worker processes
+(``engine.tensor_parallel_workers.start_workers``), each with
 its shard and its own KV pool of the same number of blocks, addressed by the same block tables:
 each step rank 0 broadcasts the step's host-side inputs (:meth:`TensorParallel.broadcast_step`)
 over a Gloo group and every rank runs the same forward. torch.distributed's backend is NCCL on
@@ -23,20 +24,14 @@ rank 0 is gone fails its next collective and exits.
 from __future__ import annotations
 
 import datetime
-import logging
 import multiprocessing as mp
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
-
-from engine.device import torch_device
-
-logger = logging.getLogger("engine.tensor_parallel")
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # a peer that stopped answering
 
@@ -164,43 +159,3 @@ def join_group(rank: int, world_size: int, init_method: str,
     # the first collective sets NCCL's communicator up: here, not inside a CUDA-graph capture
     dist.all_reduce(torch.zeros(1, device=device))
     return TensorParallel(rank, world_size, control, [])
-
-
-def start_workers(config: Any) -> TensorParallel:
-    """Start ranks 1..N-1 for ``config`` (an ``EngineConfig``) and join the group as rank 0."""
-    if dist.is_initialized():
-        raise RuntimeError("this process already belongs to a torch.distributed group: one "
-                           "tensor-parallel engine per process")
-    world_size = config.tensor_parallel_size
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_method = f"tcp://127.0.0.1:{port}"
-    context = mp.get_context("spawn")
-    workers = [context.Process(target=_worker_main, args=(config, rank, init_method),
-                               name=f"tp-worker-{rank}", daemon=True)
-               for rank in range(1, world_size)]
-    for proc in workers:
-        proc.start()
-    tp = join_group(0, world_size, init_method, device_for_rank(torch_device(config), 0))
-    tp.workers = workers
-    logger.info("tensor parallel: %d ranks (%s)", world_size, dist.get_backend())
-    return tp
-
-
-def _worker_main(config: Any, rank: int, init_method: str) -> None:
-    """A worker: build this rank's shard and KV pool, then run every step rank 0 sends."""
-    from engine.model_runner import build_runner  # the runner imports this module
-
-    logging.basicConfig(level=logging.WARNING,
-                        format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
-    tp = join_group(rank, config.tensor_parallel_size, init_method,
-                    device_for_rank(torch_device(config), rank))
-    runner = build_runner(config, tp)
-    try:
-        while True:
-            runner.run_step(*tp.broadcast_step(None))
-    except RuntimeError as e:  # rank 0 is gone (its collectives fail)
-        logger.warning("rank 0 stopped answering: %s", e)
-    finally:
-        dist.destroy_process_group()

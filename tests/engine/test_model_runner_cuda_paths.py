@@ -5,12 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model_runner import (
-    ModelRunner,
-    graph_batch_sizes,
-    one_host_thread,
-    padded_batch_size,
-)
+from engine.cuda_graphs import graph_batch_sizes, padded_batch_size
+from engine.model_runner import ModelRunner, one_host_thread
 from engine.scheduler import ScheduledBatch
 
 

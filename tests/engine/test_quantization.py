@@ -17,8 +17,6 @@ from gguf.quants import dequantize
 from chatgate_kernels import reference
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.loader.gguf import smollm2_gguf_path
-from engine.model_runner import build_runner, load_for_rank
 from engine.quantization import (
     INT4_GROUP,
     Fp8Linear,
@@ -28,6 +26,8 @@ from engine.quantization import (
     int4_groups,
     resolve_quantization,
 )
+from engine.runner_factory import build_runner, load_for_rank
+from engine.tokenizer import smollm2_gguf_path
 from tests.engine.conftest import teacher_forced_agreement
 
 
