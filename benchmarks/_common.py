@@ -10,7 +10,9 @@ import math
 import os
 import platform
 import random
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -247,6 +249,39 @@ def save_figure(path: Path, draw: Callable[..., None], *, ncols: int = 1,
     fig.savefig(path, dpi=dpi)
     pyplot.close(fig)
     return path
+
+
+# -- servers ------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    """A loopback TCP port free at the time of the call."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_ok(url: str, proc: subprocess.Popen | None, timeout: float,
+                  log_path: Path | None = None, poll_s: float = 0.5):
+    """Poll ``GET url`` until it answers 200 and return that response (an ``httpx.Response``).
+    ``RuntimeError`` (with the tail of ``log_path``) when ``proc`` exits first or after
+    ``timeout`` seconds."""
+    import httpx
+
+    def tail() -> str:
+        return log_path.read_text(errors="replace")[-3000:] if log_path else ""
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{tail()}")
+        try:
+            r = httpx.get(url, timeout=5)
+            if r.status_code == 200:
+                return r
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s:\n{tail()}")
 
 
 class Timer:

@@ -20,6 +20,7 @@ Times are medians of CUDA-graph replays (``triton.testing.do_bench_cudagraph``; 
 """
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -34,7 +35,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import add_out_argument, log  # noqa: E402
+from benchmarks._common import add_out_argument, log, save_figure  # noqa: E402
 from chatgate_kernels import triton_attention  # noqa: E402
 
 HQ, HKV, D, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
@@ -307,20 +308,11 @@ def sweep() -> dict:
     return result
 
 
-def plot(decode: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib not importable: no plot")
-        return
+def plot(decode: list[dict], ax) -> None:
     done = [r for r in decode if "triton_ms" in r]
     labels = [f"{r['batch']}x{r['ctx'] // 1024 or r['ctx']}{'k' if r['ctx'] >= 1024 else ''}"
               for r in done]
     x = range(len(done))
-    fig, ax = plt.subplots(figsize=(12, 4))
     for i, name in enumerate(("triton", "flex", "sdpa")):
         ax.bar([j + (i - 1) * 0.27 for j in x], [r.get(f"{name}_frac", 0) for r in done],
                width=0.27, label=name)
@@ -328,9 +320,6 @@ def plot(decode: list[dict], path: Path) -> None:
     ax.set_xticks(list(x), labels, rotation=45)
     ax.set_ylabel("KV bytes/s ÷ copy bandwidth")
     ax.set_title("Paged decode, Llama-3.1-8B shapes (batch x context)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -356,7 +345,8 @@ def main() -> None:
               "graph_copy_gbps": graph_copy_bw / 1e9, "sweep": tuned, "decode": decode,
               "extend": extend}
     (out_dir / "kernels.json").write_text(json.dumps(report, indent=1))
-    plot(decode, out_dir / "kernels_decode.png")
+    save_figure(out_dir / "kernels_decode.png", functools.partial(plot, decode),
+                figsize=(12, 4), dpi=120)
 
     print(f"\n{device}; copy bandwidth {copy_bw / 1e9:.0f} GB/s; chosen {tuned['chosen']}")
     print("decode (us; frac = KV bytes/s / copy bw)")

@@ -233,7 +233,8 @@ def measure_llama(args: argparse.Namespace, questions: list[Question]) -> Measur
     import subprocess
     import tempfile
 
-    from benchmarks.serving import Server, free_port, gguf_path, wait_ready
+    from benchmarks._common import free_port
+    from benchmarks.serving import Server, gguf_path, wait_ready
 
     port, slots = free_port(), args.llama_parallel
     cmd = [str(args.llama_server_bin), "-m", gguf_path(), "--host", "127.0.0.1", "--port",

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import functools
 import io
 import json
 import multiprocessing
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -55,11 +54,13 @@ from benchmarks._common import (  # noqa: E402
     ROOT,
     Tee,
     add_out_argument,
+    free_port,
     machine_info,
     percentile,
-    plt,
     ratio,
+    save_figure,
     table,
+    wait_until_ok,
 )
 from benchmarks.serving import TOPICS  # noqa: E402
 
@@ -294,12 +295,6 @@ def load(url: str, model: str, transport: str, requests: list[list[dict]], concu
 
 # -- servers -------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """``python -m chatgate serve`` from ``code`` (a source tree), on a free port."""
 
@@ -315,18 +310,7 @@ class Server:
             start_new_session=True)
 
     def wait_ready(self, timeout: float = 900) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; "
-                                   f"see {self.log.name}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready after {timeout}s; see {self.log.name}")
+        wait_until_ok(self.url + "/healthz", self.proc, timeout, Path(self.log.name))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -471,13 +455,10 @@ def serve_and_load(model: str, requests: list[list[dict]], args: argparse.Namesp
             server.stop()
 
 
-def plot(levels: list[Level], path: Path) -> None:
-    pyplot = plt()
-    if pyplot is None:
-        return
+def plot(levels: list[Level], *axes) -> None:
+    """Output tokens/s by path and concurrency, one axis per model (sorted)."""
     models = sorted({lv.model for lv in levels})
-    fig, axes = pyplot.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
+    for ax, model in zip(axes, models, strict=True):
         rows = [lv for lv in levels if lv.model == model]
         paths = list(dict.fromkeys(lv.path for lv in rows))
         concs = sorted({lv.concurrency for lv in rows})
@@ -490,9 +471,6 @@ def plot(levels: list[Level], path: Path) -> None:
         ax.set_xticklabels([f"C={c}" for c in concs])
         ax.set_ylabel("output tokens/s")
         ax.set_title(model)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -570,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
         {"argv": sys.argv[1:] if argv is None else argv, "machine": machine_info(),
          "levels": [asdict(lv) for lv in levels], "multi_turn": turns}, indent=1))
     if levels:
-        plot(levels, args.out / "gpu_serving.png")
+        models = len({lv.model for lv in levels})
+        save_figure(args.out / "gpu_serving.png", functools.partial(plot, levels), ncols=models,
+                    figsize=(6 * models, 4), dpi=120)
     for model, modes in turns.items():
         for mode, row in modes.items():
             log(f"multi-turn {model} {mode}: turns>=2 TTFT p50 {row['ttft_later_p50']:.3f} s, "

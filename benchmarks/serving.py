@@ -35,7 +35,6 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,9 +51,11 @@ from benchmarks._common import (  # noqa: E402
     Run,
     add_out_argument,
     args_json,
+    free_port,
     percentile,
     ratio,
     table,
+    wait_until_ok,
 )
 
 TOPICS = ["the water cycle", "how a CPU cache works", "the history of Rome", "photosynthesis",
@@ -103,12 +104,6 @@ def request_set(n: int, seed: int, out_range: tuple[int, int]) -> list[Req]:
 
 # -- servers ------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, name: str, url: str, proc: subprocess.Popen | None, kind: str,
                  log_path: Path | None = None) -> None:
@@ -126,22 +121,11 @@ class Server:
 
 
 def wait_ready(server: Server, timeout: float) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if server.proc is not None and server.proc.poll() is not None:
-            tail = server.log_path.read_text()[-3000:] if server.log_path else ""
-            raise RuntimeError(f"{server.name} exited with {server.proc.returncode}:\n{tail}")
-        try:
-            r = httpx.get(server.url + "/v1/models", timeout=5)
-            if r.status_code == 200:
-                data = r.json().get("data") or []
-                if data:
-                    server.model = data[0]["id"]
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{server.name} not ready after {timeout:.0f} s")
+    """Wait until the server lists its models; the first is the one requests name."""
+    data = wait_until_ok(server.url + "/v1/models", server.proc, timeout, server.log_path,
+                         poll_s=1).json().get("data") or []
+    if data:
+        server.model = data[0]["id"]
 
 
 def start_chatgate(args: argparse.Namespace, out: Path) -> Server:

@@ -38,10 +38,12 @@ from benchmarks._common import (  # noqa: E402
     Run,
     Tee,
     add_out_argument,
+    free_port,
     machine_info,
     table,
+    wait_until_ok,
 )
-from benchmarks.serving import TOPICS, free_port  # noqa: E402
+from benchmarks.serving import TOPICS  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
 
@@ -252,16 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=server_log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(url + "/healthz", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: {server_log.read_text()[-2000:]}")
-            time.sleep(1)
+        wait_until_ok(url + "/healthz", proc, 600, server_log, poll_s=1)
         engine = engine_pid(proc.pid)
         args.served_model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         run(f"server up (gateway pid {proc.pid}, engine pid {engine}); {args.minutes} min at "

@@ -24,6 +24,7 @@ Writes ``tensor_parallel.json`` (and a plot) to ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -34,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from benchmarks import gpu_e2e, hardware  # noqa: E402
-from benchmarks._common import add_out_argument, open_log, plt, table  # noqa: E402
+from benchmarks._common import add_out_argument, open_log, save_figure, table  # noqa: E402
 
 TARGET_BATCH1 = 0.6  # decode step at batch 1: N ranks / 1 rank, at most
 
@@ -174,21 +175,13 @@ def summary(raw: dict, args) -> list[list]:
     return rows
 
 
-def plot(raw: dict, args, path: Path) -> None:
-    pyplot = plt()
-    if pyplot is None:
-        return
-    fig, ax = pyplot.subplots(figsize=(6, 4))
+def plot(raw: dict, args, ax) -> None:
     batches = [str(b) for b in (1, args.decode_batch)]
     for i, (ranks, by_batch) in enumerate(raw["decode_step_s"].items()):
         ax.bar([j + 0.4 * i for j in range(len(batches))],
                [by_batch[b] * 1e3 for b in batches], width=0.4, label=f"{ranks} rank(s)")
     ax.set_xticks([j + 0.2 for j in range(len(batches))], [f"batch {b}" for b in batches])
     ax.set(ylabel="decode step (ms)", title=f"{args.model}, context {args.decode_ctx}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = run(args, log)
     rows = summary(raw, args)
     (args.out / f"{stem}.json").write_text(json.dumps(raw, indent=1))
-    plot(raw, args, args.out / f"{stem}.png")
+    save_figure(args.out / f"{stem}.png", functools.partial(plot, raw, args), figsize=(6, 4))
     log("")
     log(table(rows, ["figure", "measured", "target"]))
     log.close()

@@ -28,6 +28,7 @@ Writes ``tiered_kv.txt``/``.json``/``.png`` to ``--out``; the table with the tar
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import random
@@ -37,7 +38,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks._common import add_out_argument, open_log, percentile, plt, ratio, table  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    add_out_argument,
+    open_log,
+    percentile,
+    ratio,
+    save_figure,
+    table,
+)
 
 TARGETS = {"ttft": 0.25, "prefill": 0.2, "decode": 0.95}
 
@@ -265,11 +273,7 @@ def summary(raw: dict, args) -> tuple[list[list], dict]:
     return rows, figures
 
 
-def plot(raw: dict, args, path: Path) -> None:
-    pyplot = plt()
-    if pyplot is None:
-        return
-    fig, (ax1, ax2) = pyplot.subplots(1, 2, figsize=(11, 4))
+def plot(raw: dict, args, ax1, ax2) -> None:
     turns = list(range(args.turns + 1))
     for name, label in (("on", "host tier on"), ("off", "off")):
         ax1.plot(turns, [percentile(t, 50) * 1e3 for t in raw[name]["ttft"]], marker="o",
@@ -279,11 +283,6 @@ def plot(raw: dict, args, path: Path) -> None:
             title="time to first token per turn")
     ax2.set(xlabel="turn", ylabel="prefill tokens computed",
             title=f"{args.sessions} sessions, pool for {args.fit_sessions}")
-    ax1.legend()
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = run_all(args, log)
     rows, raw["figures"] = summary(raw, args)
     (args.out / f"{stem}.json").write_text(json.dumps(raw, indent=1))
-    plot(raw, args, args.out / f"{stem}.png")
+    save_figure(args.out / f"{stem}.png", functools.partial(plot, raw, args), ncols=2,
+                figsize=(11, 4))
     log("")
     log(table(rows, ["figure", "tier on", "tier off", "on/off", "target"]))
     log.close()
