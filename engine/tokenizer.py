@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import transformers
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("engine.loader")
 
@@ -100,10 +100,14 @@ def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
 
 
 def gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer in a GGUF's metadata (transformers' GGUF reader imports torch)."""
+    """The tokenizer in a GGUF's metadata, read as ``AutoTokenizer`` reads it (which, like
+    transformers' GGUF reader, imports torch: the engine process reads it first and caches
+    it)."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 (imports torch)
+
     logger.info("reading the tokenizer of %s from its metadata", gguf.name)
-    return PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                   local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                         local_files_only=True)
 
 
 def cached_gguf_tokenizer(gguf: Path, use_cache: bool) -> PreTrainedTokenizerBase:
