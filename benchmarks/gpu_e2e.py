@@ -631,7 +631,3 @@ def plot(result: dict, throughput_ax, decode_ax) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-if __name__ == "__main__":
-    main()
