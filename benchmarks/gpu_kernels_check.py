@@ -245,8 +245,8 @@ def row_order_case(num_seqs: int) -> float:
 
 def dispatch_case() -> float:
     batch = Paged([(1, 300), (40, 90)], torch.bfloat16, 64, 16, 2, 4)
-    out = chatgate_kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                  *batch.tail())
+    kernels = chatgate_kernels.model_kernels(batch.query.device, batch.key_cache.dtype)
+    out = kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache, *batch.tail())
     return rel_err(out, batch.reference())
 
 
