@@ -39,8 +39,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or token ids) together; outputs in prompt order.
-
-        Every request is validated before any is queued, so a bad one leaves nothing behind."""
+        A request the engine refuses (``ValueError``) leaves none of the batch behind."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = self._params(sampling_params, len(prompts))
@@ -55,8 +54,6 @@ class LLM:
                 requests.append((prompt, ids, params))
             else:
                 requests.append((None, list(prompt), params))
-        for _, ids, params in requests:
-            self.engine.validate(ids, params)
         return self._run(requests, session_id, cache_salt, use_tqdm)
 
     def chat(
@@ -75,8 +72,6 @@ class LLM:
             raise ValueError("session_id takes exactly one conversation")
         prompts = [self.engine.render_chat(list(c), session_id) for c in conversations]
         params_list = self._params(sampling_params, len(prompts))
-        for ids, params in zip(prompts, params_list, strict=True):
-            self.engine.validate(ids, params)
         return self._run([(None, ids, p) for ids, p in zip(prompts, params_list, strict=True)],
                          session_id, cache_salt, use_tqdm)
 
@@ -100,13 +95,21 @@ class LLM:
     def _run(self, requests: list[tuple[str | None, list[int], SamplingParams]],
              session_id: str | None, cache_salt: str | None,
              use_tqdm: bool) -> list[RequestOutput]:
-        order = []
-        for prompt, ids, params in requests:
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, ids, params, prompt=prompt,
-                                    session_id=session_id, cache_salt=cache_salt,
-                                    final_only=True)
-            order.append(request_id)
+        """Queue every request, then step until all are finished. ``add_request`` validates
+        each (``EngineInfo.validate``); if one raises, the requests queued before it are
+        aborted, so a failed call leaves no request and no block behind."""
+        order: list[str] = []
+        try:
+            for prompt, ids, params in requests:
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, ids, params, prompt=prompt,
+                                        session_id=session_id, cache_salt=cache_salt,
+                                        final_only=True)
+                order.append(request_id)
+        except BaseException:
+            for request_id in order:
+                self.engine.abort(request_id)
+            raise
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), disable=not use_tqdm, desc="requests") as bar:
             while self.engine.has_unfinished():

@@ -107,10 +107,6 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ``ValueError`` naming the parameter and the limit; changes nothing."""
-        self.info.validate(prompt_token_ids, params)
-
     def add_request(
         self,
         request_id: str,
@@ -123,10 +119,12 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Each step that gives it tokens (or finishes it) returns a delta
         output for it; with ``final_only`` only the step that finishes it returns an output,
-        holding every token and the whole text (see ``engine.outputs``)."""
+        holding every token and the whole text (see ``engine.outputs``). An invalid request
+        raises ``ValueError`` (``EngineInfo.validate``, the check the gateway runs) before
+        anything is queued."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.validate(prompt_token_ids, params)
+        self.info.validate(prompt_token_ids, params)
         seqs = []
         for index in range(params.n):
             seed = params.seed + index if params.seed is not None else None

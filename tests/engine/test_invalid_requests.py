@@ -22,17 +22,25 @@ def test_sampling_params_are_validated(kwargs: dict, message: str) -> None:
         SamplingParams(**kwargs)
 
 
-def test_prompts_are_validated_and_nothing_leaks() -> None:
+def test_prompts_are_validated_and_a_bad_one_leaves_none_of_its_batch_behind() -> None:
     llm = LLM("smollm2", max_model_len=256, num_kv_blocks=64)
     good = [1, 2, 3]
+    long_good = list(range(100))  # several blocks once it runs
     with pytest.raises(ValueError, match="prompt must not be empty"):
-        llm.generate([good, []], SamplingParams(max_tokens=4))
+        llm.generate([good, long_good, []], SamplingParams(max_tokens=4, n=2))
     with pytest.raises(ValueError, match="prompt has 300 tokens, max_model_len is 256"):
         llm.generate([good, list(range(300))], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 49152\)"):
         llm.generate([[49152]], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 49152\)"):
+        llm.generate([good, good], [SamplingParams(max_tokens=4),
+                                    SamplingParams(max_tokens=4, logit_bias={49152: 1.0})])
+    with pytest.raises(ValueError, match=r"prompt has \d+ tokens, max_model_len is 256"):
+        llm.chat([[{"role": "user", "content": "Hi."}],
+                  [{"role": "user", "content": "word " * 300}]], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="got 2 sampling params for 1 prompts"):
         llm.generate([good], [SamplingParams(), SamplingParams()])
+    assert llm.engine.requests == {}
     stats = llm.stats()
     assert stats.num_blocks_used == 0
     assert stats.num_requests_waiting == stats.num_requests_running == 0
