@@ -198,8 +198,10 @@ class LLMEngine:
         if self.step_timings is None:
             return self._step(NO_CLOCK)
         clock = StepClock(self.runner.device)
+        computed = self.num_prefill_tokens + self.num_decode_tokens
         outputs = self._step(clock)
-        self.step_timings.append(clock.stop())
+        self.step_timings.append(
+            clock.stop(self.num_prefill_tokens + self.num_decode_tokens - computed))
         return outputs
 
     def _step(self, clock: StepClock | NoClock) -> list[RequestOutput]:
@@ -222,8 +224,9 @@ class LLMEngine:
             return outputs + self._resolve_inflight(clock)
         feed = self._inflight.feed(batch.seqs) if self._inflight is not None else None
         metadata = self.runner.host_metadata(batch)
+        clock.note_batch(metadata)
         clock.lap("prepare")
-        logits = self.runner.execute(batch, sample_indices, feed, metadata)
+        logits = self.runner.execute(batch, sample_indices, feed, metadata, clock)
         clock.lap("forward")
         if overlap:  # the previous step's tokens are read while this one runs
             resolved = self._read_inflight()

@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
 from engine.model import AttentionMetadata, LlamaModel
 from engine.scheduler import ScheduledBatch
+from engine.step_timing import NO_CLOCK, NoClock, StepClock
 from engine.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("engine.model_runner")
@@ -80,8 +81,6 @@ class ModelRunner:
         # the padded size of the decode graph whose logits the last step returned (every row
         # sampled), else None
         self.last_graph_size: int | None = None
-        self.num_graph_steps = 0
-        self.num_eager_steps = 0
         if self.device.type == "cuda" and not config.enforce_eager:
             self.decode_graphs = DecodeGraphs(model, self.kv_cache, self.sampled, max_model_len,
                                               self.max_blocks_per_seq,
@@ -243,29 +242,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, sample_indices: list[int],
-                feed: np.ndarray | None = None,
-                host: dict[str, np.ndarray] | None = None) -> torch.Tensor:
+                feed: np.ndarray | None = None, host: dict[str, np.ndarray] | None = None,
+                clock: StepClock | NoClock = NO_CLOCK) -> torch.Tensor:
         """Run one step; returns the logits (model dtype) of the sequences at ``sample_indices``.
 
         ``feed[i] >= 0``: sequence ``i`` is decoding a token the host has not read yet, row
         ``feed[i]`` of :meth:`keep_sampled`'s last tokens, taken on the device. ``host``: the
-        batch's :meth:`host_metadata`, if already made. On the CUDA-graph path the result is a
-        view of the graph's static output: read it (the sampler does) before the next
-        ``execute``."""
+        batch's :meth:`host_metadata`, if already made. ``clock``: the step's timing, which
+        notes (and on CUDA times) a graph replay. On the CUDA-graph path the result is a view
+        of the graph's static output: read it (the sampler does) before the next ``execute``."""
         if host is None:
             host = self.host_metadata(batch)
         if self.tp is None:
-            return self.run_step(host, batch.copies, sample_indices, feed)
+            return self.run_step(host, batch.copies, sample_indices, feed, clock)
         self.tp.broadcast_step((host, batch.copies, sample_indices))
         try:
-            return self.run_step(host, batch.copies, sample_indices, feed)
+            return self.run_step(host, batch.copies, sample_indices, feed, clock)
         except RuntimeError:  # a collective failed: a worker gone shows as WorkerDied
             self.tp.check_workers(wait_s=1.0)
             raise
 
     @torch.inference_mode()
     def run_step(self, host: dict[str, np.ndarray], copies: list[tuple[int, int]],
-                 sample_indices: list[int], feed: np.ndarray | None = None) -> torch.Tensor:
+                 sample_indices: list[int], feed: np.ndarray | None = None,
+                 clock: StepClock | NoClock = NO_CLOCK) -> torch.Tensor:
         """:meth:`execute` from the step's host metadata (what a tensor-parallel worker gets):
         block copies first, then the forward."""
         if copies:
@@ -280,13 +280,11 @@ class ModelRunner:
         self.last_graph_size = None
         if padded is not None:
             self.decode_graphs.load(host, n, padded, feed)
-            logits = self.decode_graphs.replay(padded)[:n]
-            self.num_graph_steps += 1
+            logits = clock.replay_graph(padded, self.decode_graphs.replay)[:n]
             if sample_indices != list(range(n)):
                 return logits[self._to_device(np.asarray(sample_indices, dtype=np.int64))]
             self.last_graph_size = padded
             return logits
-        self.num_eager_steps += 1
         block_tables = self._to_device(host["block_tables"])
         seq_lens = self._to_device(host["seq_lens"])
         query_start_loc = self._to_device(host["query_start_loc"])
