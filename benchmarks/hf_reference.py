@@ -1,6 +1,29 @@
 """Transformers as the reference: greedy tokens compared with the engine's (teacher-forced logit
 margins at each divergence, the float32 computation of the same weights as the arbiter) and
-its offline throughput with ``generate(cache_implementation="static")``, for ``gpu_e2e.py``."""
+its offline throughput with ``generate(cache_implementation="static")``, for ``gpu_e2e.py``.
+
+Correctness: random-token prompts, greedy tokens each, the engine (batched, CUDA graphs) against
+transformers' own greedy decoding (``generate``, ``do_sample=False``, one prompt at a time, EOS
+disabled like ``ignore_eos``). Random weights can make near-tied logits; every divergence is
+reported with its logit margin in transformers' logits (top-1 minus the logit of the engine's
+token, teacher-forced on the engine's tokens). Transformers is also run on the same prompts as
+one left-padded batch: how often it agrees with itself shows how much of a 16-bit divergence is
+batch shape alone. In 16 bits both implementations are also compared with the exact computation
+(the same weights in float32), and the check can be repeated with the embedding matrix scaled by
+``EMBED_SCALE`` (exact in bf16, undone afterwards).
+
+Throughput: the same requests in arrival order, left-padded batches of the largest batch size
+that fits (probed in the same run, with the longest prompt and output),
+``generate(cache_implementation="static")``, which compiles its decoding forward
+(``torch.compile``, mode "reduce-overhead") by default for a static cache on a GPU. Each batch's
+shapes are compiled (and their CUDA graphs recorded) in an untimed warm-up that stops after a
+few tokens; that one-time cost is reported separately. Every batch is timed unless
+``--hf-batches N`` limits it to the first N (their rate, useful output tokens per second, i.e.
+the requested lengths, not padding, is then extrapolated to the whole set); ``--hf-eager`` turns
+transformers' compile off (``disable_compile=True``).
+"""
+
+import argparse
 
 import numpy as np
 import torch
@@ -8,8 +31,11 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from benchmarks._common import log
 from benchmarks.hardware import release_memory, sync, wall_s
+from benchmarks.offline_throughput import prompt_vocab
 from engine import LLM, SamplingParams
-from engine.loader import LoadedModel, build_hf_model
+from engine.loader import LoadedModel, build_hf_model, load_model
+
+EMBED_SCALE = 16.0
 
 
 def left_padded(prompts: list[list[int]],
@@ -192,3 +218,50 @@ def hf_baseline(hf, requests, args, device: torch.device, et: dict) -> dict:
         + (f"; compiled, {hf_warmup:.0f}s of compile warm-up not counted" if hf_compile
            else "; eager"),
     }
+
+
+def correctness_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """``--correct-prompts`` seeded random prompts (4 to 300 tokens; to 16 with ``--quick``)."""
+    rng = np.random.default_rng(args.seed + 1)
+    hi = 16 if args.quick else 300
+    vocab = prompt_vocab(args.model)
+    return [rng.integers(0, vocab, size=int(n)).tolist()
+            for n in rng.integers(4, hi, size=args.correct_prompts)]
+
+
+def fp32_correctness(args: argparse.Namespace, device: torch.device,
+                     prompts: list[list[int]]) -> dict:
+    """The same check in float32 (weights from the same seed, generated in fp32): no bf16
+    rounding, so near-ties cannot flip and tokens must be equal."""
+    loaded = load_model(args.model, device, torch.float32, seed=args.seed, use_cache=False)
+    llm = LLM(model=args.model, device=args.device, dtype="float32",
+              max_num_seqs=len(prompts), max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, num_kv_blocks=1024,
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager, seed=args.seed,
+              loaded=loaded)
+    hf = build_hf_model(loaded)
+    hf.generation_config.eos_token_id = None
+    log(f"correctness (float32): {len(prompts)} prompts x {args.correct_tokens} greedy "
+        f"tokens, {len(llm.engine.runner.graph_sizes)} decode graphs")
+    result = check_correctness(llm, hf, prompts, args.correct_tokens, device)
+    del llm, hf, loaded
+    release_memory(device)
+    return result
+
+
+def check_dtype(args: argparse.Namespace, llm: LLM, hf, loaded: LoadedModel,
+                prompts: list[list[int]], device: torch.device, corr: dict) -> None:
+    """Correctness in the run's dtype (again with the embedding scaled on a divergence when
+    ``--retry-embed-scale``), into ``corr``."""
+    log(f"correctness ({args.dtype}): {len(prompts)} prompts x {args.correct_tokens} "
+        f"greedy tokens")
+    corr[args.dtype] = check_correctness(llm, hf, prompts, args.correct_tokens, device)
+    if corr[args.dtype]["num_equal"] < len(prompts) and args.retry_embed_scale:
+        embed = loaded.state_dict["model.embed_tokens.weight"]
+        log(f"correctness again with the embedding scaled by {EMBED_SCALE:g}")
+        embed.mul_(EMBED_SCALE)
+        try:
+            corr[f"{args.dtype}_embed_x16"] = check_correctness(
+                llm, hf, prompts, args.correct_tokens, device)
+        finally:
+            embed.div_(EMBED_SCALE)

@@ -7,10 +7,10 @@ same run: pool size, the batch-256 decode step, offline throughput, and accuracy
 
 - Pool: KV blocks at the same ``--gpu-memory-utilization``.
 - Decode step: the captured CUDA graph of ``--decode-batch`` rows replayed over
-  ``--decode-ctx`` cached tokens per row (``gpu_e2e.decode_step_roofline``: median of 30
+  ``--decode-ctx`` cached tokens per row (``decode_step.decode_step_roofline``: median of 30
   replays, roofline = weight + KV bytes over the copy bandwidth measured in the same run).
-- Throughput: ``gpu_e2e``'s N-request workload (log-normal lengths, greedy, ``ignore_eos``)
-  after its untimed warm-up pass.
+- Throughput: ``offline_throughput``'s N-request workload (log-normal lengths, greedy,
+  ``ignore_eos``) after its untimed warm-up pass.
 - Accuracy: ``--prompts`` prompts (chat prompts through the model's template when it has a
   tokenizer, else random tokens) and the bf16 cache's ``--tokens`` greedy tokens after each:
   both engines are teacher-forced along that one path (one request per position, so both are
@@ -33,8 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import add_out_argument, args_json, log  # noqa: E402
-from benchmarks.gpu_e2e import decode_step_roofline, engine_throughput, make_requests  # noqa: E402
+from benchmarks.decode_step import decode_step_roofline  # noqa: E402
 from benchmarks.hardware import copy_bandwidth, release_memory  # noqa: E402
+from benchmarks.offline_throughput import engine_throughput, make_requests  # noqa: E402
 from benchmarks.serving import TOPICS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.loader import LoadedModel, build_hf_model, load_model  # noqa: E402

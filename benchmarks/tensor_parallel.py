@@ -11,10 +11,11 @@ ranks. One call runs everything and prints a short table last.
 - Correctness: ``--correct-prompts`` random-token prompts, greedy, float32 weights from the
   same seed: N ranks must give the single rank's tokens (all-reduce sums may differ from one
   GEMM's in the last bits, so a near-tie could flip: each divergence is reported).
-- Throughput: ``gpu_e2e.make_requests`` (ShareGPT-like lengths, ``ignore_eos``), all submitted
-  at once after an untimed warm-up pass; on CUDA its floor is that of one rank's shard of every
-  step at one GPU's measured GEMM rate and copy bandwidth (``gpu_e2e.workload_floor``): the
-  ranks run in parallel, and the all-reduces count as overhead.
+- Throughput: ``offline_throughput.make_requests`` (ShareGPT-like lengths, ``ignore_eos``), all
+  submitted at once after an untimed warm-up pass; on CUDA its floor is that of one rank's shard
+  of every step at one GPU's measured GEMM rate and copy bandwidth
+  (``offline_throughput.workload_floor``): the ranks run in parallel, and the all-reduces count
+  as overhead.
 - Decode step: ``--decode-batch`` rows (and 1 row) at ``--decode-ctx`` tokens of context,
   median wall time of engine steps (host work and all-reduces included), 1 rank and N ranks.
 
@@ -34,7 +35,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks import gpu_e2e, hardware  # noqa: E402
+from benchmarks import hardware, hf_reference  # noqa: E402
+from benchmarks import offline_throughput as offline  # noqa: E402
 from benchmarks._common import add_out_argument, open_log, save_figure, table  # noqa: E402
 
 TARGET_BATCH1 = 0.6  # decode step at batch 1: N ranks / 1 rank, at most
@@ -43,7 +45,7 @@ TARGET_BATCH1 = 0.6  # decode step at batch 1: N ranks / 1 rank, at most
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensor-parallel-size", type=int, default=2)
-    gpu_e2e.add_workload_args(ap)
+    offline.add_workload_args(ap)
     ap.add_argument("--correct-prompts", type=int, default=8)
     ap.add_argument("--correct-tokens", type=int, default=32)
     ap.add_argument("--decode-batch", type=int, default=256)
@@ -114,8 +116,8 @@ def decode_step_s(llm, batch: int, ctx: int, steps: int = 16) -> float:
 
 def run(args, log) -> dict:
     n = args.tensor_parallel_size
-    vocab = gpu_e2e.prompt_vocab(args.model)
-    prompts = gpu_e2e.correctness_prompts(args)
+    vocab = offline.prompt_vocab(args.model)
+    prompts = hf_reference.correctness_prompts(args)
     raw: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
     if args.single_rank == "all":
         single, split = greedy_tokens(args, 1, prompts), greedy_tokens(args, n, prompts)
@@ -132,16 +134,16 @@ def run(args, log) -> dict:
         if ranks == n:
             prompt_range, output_range = ((8, 64), (4, 32)) if args.quick else ((32, 1024),
                                                                                 (32, 512))
-            requests = gpu_e2e.make_requests(args.num_requests, vocab, args.seed, prompt_range,
+            requests = offline.make_requests(args.num_requests, vocab, args.seed, prompt_range,
                                              output_range)
             device = llm.engine.runner.device
-            et = gpu_e2e.engine_throughput(llm, requests, device)
+            et = offline.engine_throughput(llm, requests, device)
             raw["throughput"] = {k: v for k, v in et.items()
                                  if k not in ("step_work", "step_rows")}
             log(f"throughput, {n} ranks: {et['output_tokens_per_s']:.0f} tok/s "
                 f"({et['seconds']:.1f} s, {et['steps']} steps)")
             if device.type == "cuda":
-                raw["floor"] = gpu_e2e.workload_floor(llm, et, hardware.matmul_rates(llm, device),
+                raw["floor"] = offline.workload_floor(llm, et, hardware.matmul_rates(llm, device),
                                                       hardware.copy_bandwidth(device),
                                                       hardware.l2_cache_bytes(device))
                 log(f"floor of these steps (one rank's shard): {raw['floor']}")
