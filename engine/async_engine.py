@@ -6,9 +6,11 @@ engine step and routes its outputs. A consumer that falls behind gets the output
 merged into one (vLLM's output collector), so a slow consumer costs fewer, larger deltas and
 never holds the engine back.
 
-Chat prompts are rendered here (tokenized in batches in a worker thread), with the process's
-own tokenizer, against a mirror of the engine's session pins (every pin and unpin arrives with
-the step that made it). A stale mirror costs only cache reuse, never correctness: the engine
+Chat prompts are rendered here (tokenized in batches in a worker thread) with the engine's own
+tokenizer, which the engine process saves into this client's private folder before it reports
+ready and this process reads back without torch, whatever form the model has. They are rendered
+against a mirror of the engine's session pins (every pin and unpin arrives with the step that
+made it). A stale mirror costs only cache reuse, never correctness: the engine
 matches prompts to its real pins.
 
 If the engine process dies, every open stream fails with ``EngineDeadError`` at once, later
@@ -24,6 +26,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -48,7 +51,7 @@ from engine.logs import child_environment
 from engine.outputs import RequestOutput, merge_outputs
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
-from engine.tokenizer import load_tokenizer
+from engine.tokenizer import read_folder
 
 logger = logging.getLogger("engine.async")
 
@@ -126,7 +129,8 @@ class AsyncEngine:
     async def start(self) -> None:
         """Start the engine process and wait until it has loaded the model. Raises
         ``EngineStartupError`` with the engine's own error if it cannot start."""
-        self._ipc_dir = tempfile.mkdtemp(prefix="chatgate-engine-")
+        self._ipc_dir = tempfile.mkdtemp(prefix="chatgate-engine-")  # private (mode 0700)
+        tokenizer_dir = Path(self._ipc_dir) / "tokenizer"  # the engine saves its tokenizer here
         inbox, outbox = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
         self._sync_context = zmq.Context()
         self._to_engine = self._sync_context.socket(zmq.PUSH)
@@ -143,7 +147,7 @@ class AsyncEngine:
                 sys.executable, "-m", "engine.core",
                 "--config", msgspec.json.encode(self.config).decode(),
                 "--inbox", inbox, "--outbox", outbox, "--parent-fd", str(parent_fd),
-                "--log-level", self.log_level,
+                "--tokenizer-dir", str(tokenizer_dir), "--log-level", self.log_level,
                 pass_fds=(parent_fd,), env=child_environment(),
             )
         finally:
@@ -165,9 +169,8 @@ class AsyncEngine:
             raise EngineStartupError(message.error)
         assert isinstance(message, EngineReady)
         self.info, self._stats = message.info, message.stats
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model,
-                                                 use_cache=self.config.use_weight_cache,
-                                                 tokenizer=self.config.tokenizer)
+        if self.info.has_tokenizer:
+            self.tokenizer = await asyncio.to_thread(read_folder, tokenizer_dir)
         self._batch_encoder = BatchEncoder(self.tokenizer)
         self._pin_texts = PinnedTexts(self.tokenizer)
         self._tasks = [asyncio.create_task(self._read_outputs(), name="engine-outputs"),

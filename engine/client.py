@@ -4,8 +4,8 @@ gateway does, through this module only). Importing it imports neither torch nor
 
 One module of re-exports rather than a package: the engine process uses the same modules (the
 IPC messages, ``SamplingParams``, outputs, ``EngineConfig``, ``EngineInfo``, ``EngineStats``),
-so they stay where they are and this face names the torch-free subset. The tokenizer is read
-as ``engine.tokenizer`` says (from the cache folder the engine process wrote).
+so they stay where they are and this face names the torch-free subset. ``AsyncEngine`` reads
+the tokenizer the engine process saved for it (see ``engine.async_engine``).
 """
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineStartupError, EngineStepError
@@ -18,7 +18,6 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob, merge_
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutput
-from engine.tokenizer import load_tokenizer
 
 __all__ = [
     "AbortRequests",
@@ -38,7 +37,6 @@ __all__ = [
     "StructuredOutput",
     "TokenLogprob",
     "configure_logging",
-    "load_tokenizer",
     "logging_config",
     "merge_outputs",
     "supports_tools",

