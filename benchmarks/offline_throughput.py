@@ -146,13 +146,14 @@ def engine_throughput(llm: LLM, requests: Requests, device: torch.device) -> dic
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(o for _, o in requests), "ignore_eos: every request runs to max"
     prompt_tokens = sum(len(p) for p, _ in requests)
+    steps = summarise_steps(timings, engine.config.max_num_seqs)
     return {
         "seconds": elapsed, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
         "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (out_tokens + prompt_tokens) / elapsed,
+        **{key: steps.pop(key) for key in ("steps", "graph_steps", "eager_steps")},
         "num_preemptions": engine.scheduler.num_preemptions - preemptions0,
-        "warmup_seconds": warmup_s,
-        **summarise_steps(timings, engine.config.max_num_seqs),
+        "warmup_seconds": warmup_s, **steps,
     }
 
 
