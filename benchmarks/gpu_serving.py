@@ -12,11 +12,13 @@ Per model (``--models``), in this order:
    ``stream: true``) and over the WebSocket (``session.create`` → ``message`` → ``done`` →
    ``session.close``). The load generator runs in ``--client-procs`` processes (aiohttp), so the
    client is not the bottleneck; each request's TTFT and chunk gaps (ITL) are timed where the
-   bytes arrive, and its token count is read from the server's usage.
+   bytes arrive, and its token count is read from the server's usage. With
+   ``--api-server-count 1,2,4`` the server runs once per count (N front-end processes sharing
+   one engine), one after the other; its paths are named ``sse xN`` / ``ws xN`` (N > 1).
 3. **multi-turn** (``--turns-sessions``): sessions × turns over SSE with a shared system prompt,
    each session sending its turns one after another (the answer of each turn goes into the next
    turn's messages), once with ``session_id`` (pinned KV) and once without (prefix cache
-   only); TTFT per turn.
+   only); TTFT per turn; on the server of the last ``--api-server-count``.
 
 Every request has the same sampling (``--temperature``, a seed per request, ``--output-len``
 tokens with ``ignore_eos``), so every path generates the same number of tokens; the script
@@ -26,6 +28,8 @@ checks that it did.
     python benchmarks/gpu_serving.py --device cpu --dtype float32 --models smollm2 \\
         --num-requests 32 --output-len 48 --concurrency 1,16,32 --transports sse \\
         --code acc0bc2 --turns-sessions 0                                # CPU vs older code
+    python benchmarks/gpu_serving.py --concurrency 256 --client-procs 4 \
+        --api-server-count 1,2,4                                         # front-end counts
     python benchmarks/gpu_serving.py --quick                             # smoke test
 """
 
@@ -113,6 +117,7 @@ class Level:
     itl_p50: float = float("nan")
     itl_p99: float = float("nan")
     tokens_per_chunk: float = float("nan")
+    frontend_us_per_chunk: float = float("nan")  # gateway processes' CPU time per chunk
 
 
 def summarize(model: str, path: str, concurrency: int, results: list[Request],
@@ -309,6 +314,25 @@ class Server:
             cwd=code, env=env, stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)
 
+    def gateway_cpu_s(self) -> float:
+        """CPU seconds (user + system) the gateway's processes have used: the server process
+        and its front-ends, not the engine process."""
+        ticks = 0
+        todo = [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"engine.core" in cmd or b"resource_tracker" in cmd:
+                    continue
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                ticks += int(fields[11]) + int(fields[12])  # utime, stime
+                todo += [int(c) for c in
+                         Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+            except OSError:
+                continue
+        return ticks / os.sysconf("SC_CLK_TCK")
+
     def wait_ready(self, timeout: float = 900) -> None:
         wait_until_ok(self.url + "/healthz", self.proc, timeout, Path(self.log.name))
 
@@ -418,11 +442,29 @@ def multi_turn(model: str, url: str, args: argparse.Namespace) -> dict:
 
 def serve_and_load(model: str, requests: list[list[dict]], args: argparse.Namespace,
                    codes: dict[str, Path], log: Tee) -> tuple[list[Level], dict]:
+    """Every ``--api-server-count`` in turn: its servers (one per code), the load at each
+    concurrency and transport; then the multi-turn run on the last count's server."""
+    levels: list[Level] = []
+    turns: dict = {}
+    for k, count in enumerate(args.api_server_count):
+        last = k == len(args.api_server_count) - 1
+        served, turns = _serve_count(model, requests, args, codes, log, count, last)
+        levels += served
+    return levels, turns
+
+
+def _serve_count(model: str, requests: list[list[dict]], args: argparse.Namespace,
+                 codes: dict[str, Path], log: Tee, count: int,
+                 with_turns: bool) -> tuple[list[Level], dict]:
     servers = {}
+    flags = engine_flags(model, args)
+    if count > 1:  # an older --code without the flag runs at count 1 only
+        flags += ["--api-server-count", str(count)]
+    suffix = f" x{count}" if count > 1 else ""
     try:
         for name, code in codes.items():
-            servers[name] = Server(code, engine_flags(model, args),
-                                   args.out / f"gpu_serving_server_{name}.log")
+            servers[name] = Server(code, flags,
+                                   args.out / f"gpu_serving_server_{name}{suffix.strip()}.log")
         for server in servers.values():
             server.wait_ready()
         for server in servers.values():  # warm-up: kernels compiled, graphs used
@@ -432,21 +474,26 @@ def serve_and_load(model: str, requests: list[list[dict]], args: argparse.Namesp
         for c in sorted(args.concurrency, reverse=True):
             for transport in args.transports:
                 for name, server in servers.items():
-                    path = transport if name == "new" else f"{transport} {name}"
+                    path = (transport if name == "new" else f"{transport} {name}") + suffix
+                    cpu = server.gateway_cpu_s()
                     results = load(server.url, model, transport, requests,
                                    c, args)
                     level = summarize(model, path, c, results, args.output_len)
+                    chunks = sum(len(r.gaps) + 1 for r in results if not r.error)
+                    level.frontend_us_per_chunk = ratio(
+                        (server.gateway_cpu_s() - cpu) * 1e6, chunks)
                     levels.append(level)
                     log(f"  {path:<8} C={c:<4} {level.tok_s:9.0f} tok/s  TTFT p50 "
                         f"{level.ttft_p50:.3f} s  ITL p50 {level.itl_p50 * 1000:.1f} ms  "
-                        f"{level.tokens_per_chunk:.2f} tok/chunk  errors {level.errors}")
+                        f"{level.tokens_per_chunk:.2f} tok/chunk  gateway "
+                        f"{level.frontend_us_per_chunk:.0f} CPU-us/chunk  errors {level.errors}")
         turns = {}
-        if args.turns_sessions:
+        if args.turns_sessions and with_turns:
             turns = multi_turn(model, servers["new"].url, args)
             for mode, row in turns.items():
-                log(f"  multi-turn {mode:<14} turns>=2 TTFT p50 {row['ttft_later_p50']:.3f} s "
-                    f"p99 {row['ttft_later_p99']:.3f} s, prompt computed "
-                    f"{row['computed_fraction_later']:.1%}; TTFT p50 by turn "
+                log(f"  multi-turn{suffix} {mode:<14} turns>=2 TTFT p50 "
+                    f"{row['ttft_later_p50']:.3f} s p99 {row['ttft_later_p99']:.3f} s, prompt "
+                    f"computed {row['computed_fraction_later']:.1%}; TTFT p50 by turn "
                     + " ".join(f"{v:.3f}" for v in row["ttft_by_turn_p50"])
                     + f"  errors {row['errors']}")
         return levels, turns
@@ -473,6 +520,20 @@ def plot(levels: list[Level], *axes) -> None:
         ax.set_title(model)
 
 
+def side_by_side(levels: list[Level]) -> str:
+    """Per model and concurrency: direct tok/s, then each served path's ratio to it."""
+    paths = list(dict.fromkeys(lv.path for lv in levels if lv.path != "direct"))
+    rows = []
+    for model in dict.fromkeys(lv.model for lv in levels):
+        for c in sorted({lv.concurrency for lv in levels if lv.model == model}):
+            got = {lv.path: lv.tok_s for lv in levels
+                   if lv.model == model and lv.concurrency == c}
+            base = got.get("direct", float("nan"))
+            rows.append([model, c, base, *(ratio(got.get(p, float("nan")), base)
+                                           for p in paths)])
+    return "ratio to direct\n" + table(rows, ["model", "C", "direct tok/s", *paths])
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -486,6 +547,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--concurrency", default="64,256")
     p.add_argument("--transports", default="sse,ws")
+    p.add_argument("--api-server-count", default="1",
+                   help="comma-separated front-end process counts, each served in turn")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -509,6 +572,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.warmup, args.client_procs, args.turns_sessions, args.turns = 2, 2, 2, 2
         args.turn_tokens, args.system_tokens = 4, 80
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.api_server_count = [int(n) for n in args.api_server_count.split(",")]
     args.transports = [t for t in args.transports.split(",") if t]
     args.models = [m for m in args.models.split(",") if m]
     return args
@@ -543,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
                      and d.concurrency == lv.concurrency), float("nan"))
         rows.append([lv.model, lv.path, lv.concurrency, lv.tok_s, ratio(lv.tok_s, base),
                      lv.ttft_p50, lv.ttft_p99, lv.itl_p50 * 1000, lv.itl_p99 * 1000,
-                     lv.tokens_per_chunk, lv.errors])
+                     lv.tokens_per_chunk, lv.frontend_us_per_chunk, lv.errors])
     (args.out / "gpu_serving.json").write_text(json.dumps(
         {"argv": sys.argv[1:] if argv is None else argv, "machine": machine_info(),
          "levels": [asdict(lv) for lv in levels], "multi_turn": turns}, indent=1))
@@ -557,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"p99 {row['ttft_later_p99']:.3f} s, prompt computed "
                 f"{row['computed_fraction_later']:.1%}, errors {row['errors']}")
     log(table(rows, ["model", "path", "C", "tok/s", "/direct", "TTFT p50 s", "TTFT p99 s",
-                     "ITL p50 ms", "ITL p99 ms", "tok/chunk", "errors"]))
+                     "ITL p50 ms", "ITL p99 ms", "tok/chunk", "gw CPU-us/chunk", "errors"]))
+    log(side_by_side(levels))
     log.close()
     return 0
 

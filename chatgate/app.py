@@ -34,9 +34,11 @@ from chatgate.errors import APIError, api_error_handler
 from chatgate.metrics import Metrics
 from chatgate.middleware import RequestGuard
 from chatgate.replica import ReplicaHeader
+from chatgate.server import FrontEnd
 from chatgate.service import Gateway
 from chatgate.sessions import SessionStore, is_store_error, make_store
 from chatgate.settings import Settings
+from chatgate.shared_store import SharedSessionStore
 from chatgate.tenants import TenantRegistry
 from chatgate.ws import ws_endpoint
 from engine.client import AsyncEngine
@@ -58,13 +60,16 @@ def static_dir() -> Path:
     raise FileNotFoundError(f"the browser UI is in neither {installed} nor {checkout}")
 
 
-async def start_engine(settings: Settings) -> AsyncEngine:
-    """Start the engine process and wait until its model is loaded (its progress is logged)."""
+async def start_engine(settings: Settings, front_end: FrontEnd | None = None) -> AsyncEngine:
+    """Start the engine process (or, as one of several front-ends, attach to the one the
+    supervisor started) and wait until its model is loaded (its progress is logged)."""
     config = settings.engine
-    log.info("starting the engine: model %r (device=%s, dtype=%s, block_size=%d)...",
-             config.model, config.device or "auto", config.dtype or "auto", config.block_size)
+    log.info("%s the engine: model %r (device=%s, dtype=%s, block_size=%d)...",
+             "starting" if front_end is None else "attaching to", config.model,
+             config.device or "auto", config.dtype or "auto", config.block_size)
     t0 = time.perf_counter()
-    engine = AsyncEngine(config, log_level=settings.log_level)
+    engine = AsyncEngine(config, log_level=settings.log_level,
+                         link=None if front_end is None else front_end.link)
     await engine.start()
     log.info("model %s loaded in %.1fs: max_model_len=%d", engine.model_name,
              time.perf_counter() - t0, engine.max_model_len)
@@ -125,10 +130,11 @@ async def _server_error(request: Request, exc: Exception) -> Response:
                     code="internal_error").response()
 
 
-def create_app(settings: Settings | None = None) -> Starlette:
-    """The ASGI app; its lifespan starts the engine process and stops it. If the engine
-    process dies, open streams end with an error, /healthz answers 503, and the server shuts
-    down (``app.state.engine_failed`` tells the CLI to exit non-zero)."""
+def create_app(settings: Settings | None = None, front_end: FrontEnd | None = None) -> Starlette:
+    """The ASGI app; its lifespan starts the engine process and stops it (as ``front_end``,
+    one of several: attaches to the shared engine and detaches). If the engine process dies,
+    open streams end with an error, /healthz answers 503, and the server shuts down
+    (``app.state.engine_failed`` tells the CLI to exit non-zero)."""
     settings = settings or Settings()
     if settings.placeholder_secret:
         log.warning("INSECURE: the server secret is the public placeholder %r; set "
@@ -138,8 +144,9 @@ def create_app(settings: Settings | None = None) -> Starlette:
     tenants = TenantRegistry.load(settings.tenants_file, settings.server_secret)
     app = Starlette(
         routes=_routes(),
-        middleware=_middleware(settings),
-        lifespan=functools.partial(_lifespan, settings=settings, tenants=tenants),
+        middleware=_middleware(settings, front_end),
+        lifespan=functools.partial(_lifespan, settings=settings, tenants=tenants,
+                                   front_end=front_end),
         exception_handlers={
             APIError: api_error_handler,
             HTTPException: _http_exception,
@@ -183,10 +190,12 @@ def _routes() -> list[BaseRoute]:
     return [*api, _UIMount(api)]
 
 
-def _middleware(settings: Settings) -> list[Middleware]:
-    """Outermost first: the replica header on every response, CORS when origins are allowed,
-    then the request guard (origins, body size and time, slow readers)."""
-    middleware = [Middleware(ReplicaHeader, replica_id=settings.replica_id)]
+def _middleware(settings: Settings, front_end: FrontEnd | None) -> list[Middleware]:
+    """Outermost first: the replica header on every response (with the front-end's index
+    when there are several), CORS when origins are allowed, then the request guard (origins,
+    body size and time, slow readers)."""
+    middleware = [Middleware(ReplicaHeader, replica_id=settings.replica_id,
+                             api_server=None if front_end is None else front_end.index)]
     if settings.allowed_origins:
         middleware.append(Middleware(
             CORSMiddleware, allow_origins=settings.allowed_origins,
@@ -200,9 +209,15 @@ def _middleware(settings: Settings) -> list[Middleware]:
     return middleware
 
 
-async def _open_store(settings: Settings) -> SessionStore:
-    """The session store, reachable (checked before the slow model load), else RuntimeError."""
-    store = make_store(settings.redis_url, settings.session_ttl, settings.redis_prefix)
+async def _open_store(settings: Settings, front_end: FrontEnd | None) -> SessionStore:
+    """The session store, reachable (checked before the slow model load), else RuntimeError:
+    Redis, the in-process store, or as one of several front-ends without Redis, the
+    supervisor's."""
+    if front_end is not None and front_end.store_address is not None:
+        store: SessionStore = SharedSessionStore(front_end.store_address,
+                                                 front_end.store_authkey, settings.session_ttl)
+    else:
+        store = make_store(settings.redis_url, settings.session_ttl, settings.redis_prefix)
     try:
         await store.ping()
     except Exception as e:
@@ -220,19 +235,21 @@ def _on_engine_death(app: Starlette, reason: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _lifespan(app: Starlette, settings: Settings,
-                    tenants: TenantRegistry) -> AsyncIterator[None]:
-    """Session store, engine process and gateway up before the first request; down after."""
-    store = await _open_store(settings)
+async def _lifespan(app: Starlette, settings: Settings, tenants: TenantRegistry,
+                    front_end: FrontEnd | None) -> AsyncIterator[None]:
+    """Session store, engine process and gateway up before the first request; down after.
+    Of several front-ends, the first warms the tenants' system prompts."""
+    store = await _open_store(settings, front_end)
     try:
-        eng = await start_engine(settings)
+        eng = await start_engine(settings, front_end)
     except BaseException:
         with contextlib.suppress(Exception):
             await store.close()
         raise
     eng.on_death.append(functools.partial(_on_engine_death, app))
     log.info("session store: %s%s", type(store).__name__,
-             f" at {settings.redis_url}" if settings.redis_url else " (in-process)")
+             f" at {settings.redis_url}" if settings.redis_url else
+             " (in-process)" if front_end is None else " (the supervisor's, in-process)")
     metrics = Metrics(settings.served_model_name or eng.model_name, settings.replica_id)
     metrics.attach_engine(eng.stats)
     gw = Gateway(settings, eng, tenants, store, metrics)
@@ -241,7 +258,8 @@ async def _lifespan(app: Starlette, settings: Settings,
              f"the model's {defaults}" if defaults else "vLLM's defaults",
              settings.generation_config)
     try:
-        await gw.warm_tenants()
+        if front_end is None or front_end.index == 0:
+            await gw.warm_tenants()
         gw.start_background()
         app.state.metrics = metrics
         app.state.gateway = gw

@@ -7,18 +7,17 @@ import argparse
 import dataclasses
 import logging
 import os
-import signal
 import sys
 import typing
 from collections.abc import Callable, Sequence
-from types import FrameType
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from chatgate.server import serve
 from chatgate.settings import Settings
 from chatgate.tenants import hash_api_key
-from engine.client import EngineConfig, configure_logging, logging_config
+from engine.client import EngineConfig
 
 log = logging.getLogger("chatgate")
 
@@ -46,7 +45,8 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
 # What only the command line adds to a ``Settings`` field: another flag name, an environment
 # variable as the flag's default, another parser of the flag's text
 FLAG_NAMES = {"tenants_file": "--tenants"}
-ENV_DEFAULTS = {"redis_url": "REDIS_URL", "server_secret": "CHATGATE_SECRET"}
+ENV_DEFAULTS = {"redis_url": "REDIS_URL", "server_secret": "CHATGATE_SECRET",
+                "api_server_count": "CHATGATE_API_SERVER_COUNT"}
 METAVARS = {"tenants_file": "FILE", "max_tokens": "N"}
 
 
@@ -113,45 +113,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                if not (getattr(args, name) is None and
                        Settings.model_fields[name].default_factory is not None)}
     return Settings(engine=engine, **gateway)
-
-
-def serve(settings: Settings) -> int:
-    # imported here, not at the top: the app imports the engine's client and transformers
-    # (seconds, though no torch), which `chatgate hash-key` and `--help` do not need
-    import uvicorn
-
-    from chatgate.app import create_app
-
-    configure_logging(settings.log_level)
-    log.info("chatgate starting on http://%s:%d", settings.host, settings.port)
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        log_config=logging_config(settings.log_level),  # uvicorn's lines in our format
-        lifespan="on",
-        # Frames a bit over the app's limit get an ``error`` event (socket open); only far
-        # larger ones are cut by the protocol layer (close 1009).
-        ws_max_size=max(4 * settings.ws_max_message_bytes, 1 << 20),
-        timeout_graceful_shutdown=5,
-        access_log=settings.log_level == "debug",
-    )
-    server = uvicorn.Server(config)
-    # uvicorn shuts down in order on SIGTERM, then raises the signal again for the handler it
-    # found when it started: this one, so that a clean shutdown exits with the status below
-    # instead of dying by the signal
-    signal.signal(signal.SIGTERM, _already_shut_down)
-    try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C once it has shut down in order
-        pass
-    return 0 if server.started and not app.state.engine_failed else 1
-
-
-def _already_shut_down(signum: int, frame: FrameType | None) -> None:
-    """The SIGTERM that uvicorn raises again after its shutdown: nothing is left to do."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

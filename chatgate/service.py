@@ -3,7 +3,13 @@
 ``Gateway`` holds the engine client, the tenants, the session store, the rate limiter and the
 metrics, and the per-process session state: which sessions are generating (one turn at a time
 per session) and when each pinned session was last used (idle ones are unpinned). A chat turn
-itself is a ``chatgate.turn.Turn``."""
+itself is a ``chatgate.turn.Turn``.
+
+With several front-end processes on one engine (``--api-server-count``), a session's turns may
+reach any of them: its turn lock is then also taken in the engine, which all of them share,
+and a session counts as used whenever the engine pins it again (every front-end sees every pin
+change), so no front-end unpins a session another one is using. Tenant limits are counted per
+process: with N front-ends a tenant may have up to N times its limits."""
 
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from chatgate.ratelimit import RateLimited, RateLimiter
 from chatgate.sessions import SessionStore
 from chatgate.settings import Settings
 from chatgate.tenants import Tenant, TenantRegistry
-from engine.client import AsyncEngine, SamplingParams
+from engine.client import AsyncEngine, EngineDeadError, SamplingParams
 
 log = logging.getLogger("chatgate")
 
@@ -38,6 +44,11 @@ def context_error(prompt_len: int, max_model_len: int, max_tokens: int | None = 
                f"{max_tokens} in the completion). Please reduce the length of the {field} or "
                f"completion (max_model_len={max_model_len}).")
     return APIError(400, msg, param=field, code="context_length_exceeded")
+
+
+def session_busy() -> APIError:
+    return APIError(409, "This session is already generating a response; wait for it to "
+                    "finish or cancel it.", code="session_busy", param="session_id")
 
 
 def engine_unavailable(reason: str) -> APIError:
@@ -90,15 +101,30 @@ class Gateway:
             raise APIError(429, e.message, code="rate_limit_exceeded",
                            headers={"Retry-After": str(e.retry_after)}) from None
 
-    def lock_session(self, engine_session_id: str) -> None:
-        """Mark the session as generating, or 409 if it already is."""
+    async def lock_session(self, engine_session_id: str) -> None:
+        """Mark the session as generating, or 409 if it already is (here or, with several
+        front-ends, in another one)."""
         if engine_session_id in self._generating:
-            raise APIError(409, "This session is already generating a response; wait for it "
-                           "to finish or cancel it.", code="session_busy", param="session_id")
+            raise session_busy()
         self._generating.add(engine_session_id)
+        if self.engine.shared:
+            try:
+                locked = await self.engine.lock_session(engine_session_id)
+            except EngineDeadError as e:
+                self._generating.discard(engine_session_id)
+                raise engine_unavailable(str(e)) from None
+            except BaseException:
+                self._generating.discard(engine_session_id)
+                raise
+            if not locked:
+                self._generating.discard(engine_session_id)
+                raise session_busy()
 
     def unlock_session(self, engine_session_id: str) -> None:
-        self._generating.discard(engine_session_id)
+        if engine_session_id in self._generating:
+            self._generating.discard(engine_session_id)
+            if self.engine.shared:
+                self.engine.unlock_session(engine_session_id)
 
     def touch_session(self, engine_session_id: str) -> None:
         """Record a use of a session the engine pins (for the idle unpin)."""
@@ -150,8 +176,10 @@ class Gateway:
         """Release the engine pins of sessions idle for ``session_idle_unpin`` seconds."""
         now = time.monotonic() if now is None else now
         idle = self.settings.session_idle_unpin
+        pinned_at = self.engine.pinned_at
         n = 0
         for eid, last in list(self._last_used.items()):
+            last = max(last, pinned_at.get(eid, last))  # pinned again after a turn elsewhere
             if eid not in self._generating and now - last >= idle:
                 await self.unpin_session(eid)
                 n += 1

@@ -33,6 +33,11 @@ class Settings(BaseModel):
 
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
+    api_server_count: int = Field(
+        default=1, ge=1, le=64,
+        description="gateway (front-end) processes that accept connections on the one port "
+                    "and share one engine process (vLLM's flag); default "
+                    "$CHATGATE_API_SERVER_COUNT, else 1")
     replica_id: str = Field(
         default_factory=socket.gethostname, pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
         description="this gateway's name in the X-Chatgate-Replica header and the metrics' "

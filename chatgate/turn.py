@@ -167,8 +167,8 @@ class Turn:
         if self.engine_session_id is None:
             return
         try:
-            gw.lock_session(self.engine_session_id)
-        except APIError:
+            await gw.lock_session(self.engine_session_id)
+        except BaseException:
             gw.limiter.release(self.tenant, 0)
             self._holds = False
             raise

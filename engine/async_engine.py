@@ -15,6 +15,10 @@ matches prompts to its real pins.
 
 If the engine process dies, every open stream fails with ``EngineDeadError`` at once, later
 calls raise it, and ``on_death`` callbacks run.
+
+Alone, an ``AsyncEngine`` starts the engine process and stops it. Given an ``EngineLink`` whose
+engine another process started (``--api-server-count N``: one engine, N clients), it attaches
+to it, watches its pid, and on shutdown only tells the engine it is done.
 """
 
 import asyncio
@@ -23,8 +27,8 @@ import itertools
 import logging
 import os
 import shutil
-import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -40,15 +44,20 @@ from engine.info import EngineInfo
 from engine.ipc import (
     AbortRequests,
     AddRequest,
+    ClientMessage,
     EngineReady,
     EngineStartupFailed,
+    LockSession,
     Shutdown,
     StepOutputs,
+    UnlockSession,
     UnpinSession,
     client_decoder,
 )
+from engine.launch import EngineLink, engine_command, ipc_links, process_exit
 from engine.logs import child_environment
-from engine.outputs import RequestOutput, merge_outputs
+from engine.output_stream import OutputStream
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from engine.tokenizer import read_folder
@@ -56,6 +65,7 @@ from engine.tokenizer import read_folder
 logger = logging.getLogger("engine.async")
 
 SHUTDOWN_TIMEOUT_S = 30.0
+ATTACHED_SEND_TIMEOUT_MS = 2000  # at most a few reconnect intervals (100 ms each)
 
 
 class EngineStartupError(RuntimeError):
@@ -70,43 +80,13 @@ class EngineStepError(RuntimeError):
     """The engine failed while running this request (the engine itself carries on)."""
 
 
-class _OutputStream:
-    """One request's outputs not yet taken by its consumer, merged into one while it is behind;
-    then an error, if the request failed."""
-
-    __slots__ = ("pending", "error", "ready")
-
-    def __init__(self) -> None:
-        self.pending: RequestOutput | None = None
-        self.error: Exception | None = None
-        self.ready = asyncio.Event()
-
-    def put(self, output: RequestOutput) -> None:
-        if self.pending is None:
-            self.pending = output
-        else:
-            merge_outputs(self.pending, output)
-        self.ready.set()
-
-    def fail(self, error: Exception) -> None:
-        self.error = error
-        self.ready.set()
-
-    async def get(self) -> RequestOutput:
-        await self.ready.wait()
-        output, self.pending = self.pending, None
-        if output is None:
-            assert self.error is not None
-            raise self.error
-        if self.error is None:
-            self.ready.clear()
-        return output
-
-
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, log_level: str = "info") -> None:
+    def __init__(self, config: EngineConfig, log_level: str = "info",
+                 link: EngineLink | None = None) -> None:
         self.config = config
         self.log_level = log_level
+        self.link = link  # the engine another process started, to attach to
+        self.pinned_at: dict[str, float] = {}  # session id -> monotonic time of its last pin
         self.info: EngineInfo | None = None
         self.tokenizer: Any = None
         self._batch_encoder: BatchEncoder
@@ -114,75 +94,95 @@ class AsyncEngine:
         self.dead: str | None = None  # why the engine process is gone, once it is
         self.on_death: list[Callable[[str], None]] = []
         self._stats: EngineStats | None = None
-        self._streams: dict[str, _OutputStream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._calls: dict[int, asyncio.Future[bool]] = {}
         self._call_ids = itertools.count()
         self._pins: dict[str, list[int]] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = client_decoder()
         self._proc: asyncio.subprocess.Process | None = None
+        self._ipc_dir: str | None = None
+        self._parent_alive: int | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    @property
+    def shared(self) -> bool:
+        """Whether other clients share the engine (it was started by another process)."""
+        return self.link is not None
+
     async def start(self) -> None:
-        """Start the engine process and wait until it has loaded the model. Raises
-        ``EngineStartupError`` with the engine's own error if it cannot start."""
-        self._ipc_dir = tempfile.mkdtemp(prefix="chatgate-engine-")  # private (mode 0700)
-        tokenizer_dir = Path(self._ipc_dir) / "tokenizer"  # the engine saves its tokenizer here
-        inbox, outbox = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
+        """Start the engine process (or attach to the link's) and wait until it has loaded
+        the model. Raises ``EngineStartupError`` with the engine's own error if it cannot
+        start."""
+        link = self.link
+        if link is None:
+            self._ipc_dir = tempfile.mkdtemp(prefix="chatgate-engine-")  # private (mode 0700)
+            (link,) = ipc_links(self._ipc_dir, 1)
         self._sync_context = zmq.Context()
         self._to_engine = self._sync_context.socket(zmq.PUSH)
         self._to_engine.setsockopt(zmq.SNDHWM, 0)
         self._to_engine.setsockopt(zmq.LINGER, 0)  # what the engine has not taken is moot
-        self._to_engine.bind(inbox)
+        self._send_flags = zmq.NOBLOCK if self.link is None else 0
+        self._to_engine.setsockopt(zmq.SNDTIMEO, ATTACHED_SEND_TIMEOUT_MS)
+        self._to_engine.bind(link.inbox)
         self._async_context = zmq.asyncio.Context()
         self._from_engine = self._async_context.socket(zmq.PULL)
         self._from_engine.setsockopt(zmq.RCVHWM, 0)
-        self._from_engine.bind(outbox)
-        parent_fd, self._parent_alive = os.pipe()  # the engine sees EOF when we are gone
-        try:
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "engine.core",
-                "--config", msgspec.json.encode(self.config).decode(),
-                "--inbox", inbox, "--outbox", outbox, "--parent-fd", str(parent_fd),
-                "--tokenizer-dir", str(tokenizer_dir), "--log-level", self.log_level,
-                pass_fds=(parent_fd,), env=child_environment(),
-            )
-        finally:
-            os.close(parent_fd)
-        logger.info("engine process started (pid %d); loading %s", self._proc.pid,
-                    self.config.model)
-        exited = asyncio.create_task(self._proc.wait())
+        self._from_engine.bind(link.outbox)
+        exited = await (self._spawn(link) if self.link is None else self._attach(link))
         first = asyncio.ensure_future(self._from_engine.recv())
         await asyncio.wait({exited, first}, return_when=asyncio.FIRST_COMPLETED)
         if not first.done():
             first.cancel()
             await self._close()
-            raise EngineStartupError(f"the engine process exited with code {exited.result()} "
-                                     "before it was ready (its log above says why)")
+            code = "" if exited.result() is None else f" with code {exited.result()}"
+            raise EngineStartupError(f"the engine process exited{code} before it was ready "
+                                     "(its log above says why)")
         message = self._decoder.decode(first.result())
         if isinstance(message, EngineStartupFailed):
-            await self._stop_process(exited)
+            if self._proc is not None:
+                await self._stop_process(exited)
             await self._close()
             raise EngineStartupError(message.error)
         assert isinstance(message, EngineReady)
         self.info, self._stats = message.info, message.stats
         if self.info.has_tokenizer:
-            self.tokenizer = await asyncio.to_thread(read_folder, tokenizer_dir)
+            self.tokenizer = await asyncio.to_thread(read_folder, Path(link.tokenizer_dir))
         self._batch_encoder = BatchEncoder(self.tokenizer)
         self._pin_texts = PinnedTexts(self.tokenizer)
         self._tasks = [asyncio.create_task(self._read_outputs(), name="engine-outputs"),
                        asyncio.create_task(self._watch(exited), name="engine-watch")]
 
+    async def _spawn(self, link: EngineLink) -> asyncio.Future[int | None]:
+        """Start the engine process; a future of its exit code."""
+        parent_fd, self._parent_alive = os.pipe()  # the engine sees EOF when we are gone
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *engine_command(self.config, [link], parent_fd, self.log_level),
+                pass_fds=(parent_fd,), env=child_environment())
+        finally:
+            os.close(parent_fd)
+        logger.info("engine process started (pid %d); loading %s", self._proc.pid,
+                    self.config.model)
+        return asyncio.create_task(self._proc.wait())
+
+    async def _attach(self, link: EngineLink) -> asyncio.Future[int | None]:
+        """Watch the engine process another process started."""
+        assert link.engine_pid is not None
+        return process_exit(link.engine_pid)
+
     async def shutdown(self) -> None:
         """Stop the engine process (in order; killed if it does not exit in time) and reap
-        it, whatever its queue holds and whether or not it is still there to be told."""
+        it, whatever its queue holds and whether or not it is still there to be told. Attached
+        to another's engine: tell it this client is done (it stops when every client is)."""
         self._stopping = True
-        if self._proc is not None and self._proc.returncode is None:
+        if self.link is not None or (self._proc is not None and self._proc.returncode is None):
             with contextlib.suppress(EngineDeadError):  # gone already: nothing to tell
                 self._send(Shutdown())
+        if self._proc is not None and self._proc.returncode is None:
             await self._stop_process(self._proc.wait())
         for task in self._tasks:
             task.cancel()
@@ -201,18 +201,22 @@ class AsyncEngine:
             await self._proc.wait()
 
     async def _close(self) -> None:
-        os.close(self._parent_alive)
-        self._to_engine.close(linger=0)
+        if self._parent_alive is not None:
+            os.close(self._parent_alive)
+        # attached: the Shutdown just sent must leave before the socket goes
+        self._to_engine.close(linger=0 if self.link is None else 2000)
         self._from_engine.close(linger=0)
         self._sync_context.term()
         self._async_context.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
-    async def _watch(self, exited: asyncio.Task[int]) -> None:
+    async def _watch(self, exited: asyncio.Future[int | None]) -> None:
         code = await exited
         if self._stopping:
             return
-        self.dead = f"the engine process exited unexpectedly with code {code}"
+        self.dead = ("the engine process exited unexpectedly" if code is None
+                     else f"the engine process exited unexpectedly with code {code}")
         logger.error("%s; failing every open stream", self.dead)
         error = EngineDeadError(self.dead)
         for stream in self._streams.values():
@@ -227,6 +231,8 @@ class AsyncEngine:
 
     @property
     def pid(self) -> int:
+        if self.link is not None and self.link.engine_pid is not None:
+            return self.link.engine_pid
         assert self._proc is not None, "AsyncEngine.start() was not awaited"
         return self._proc.pid
 
@@ -285,7 +291,7 @@ class AsyncEngine:
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = self._streams[request_id] = _OutputStream()
+        stream = self._streams[request_id] = OutputStream()
         finished = False
         try:
             self._send(AddRequest(request_id, prompt_token_ids, params, session_id, cache_salt))
@@ -303,10 +309,25 @@ class AsyncEngine:
         """Unpin the session's blocks; False if it had none pinned."""
         self._check_alive()
         self._pin_texts.forget(session_id)
+        return await self._call(UnpinSession, session_id)
+
+    async def lock_session(self, session_id: str) -> bool:
+        """Take the session's turn lock in the engine, which every client shares; False while
+        a client holds it. Release it with :meth:`unlock_session`."""
+        return await self._call(LockSession, session_id)
+
+    def unlock_session(self, session_id: str) -> None:
+        """Release the session's turn lock (sent at once, without waiting)."""
+        with contextlib.suppress(EngineDeadError):  # a gone engine holds no locks
+            self._send(UnlockSession(session_id))
+
+    async def _call(self, kind: type[UnpinSession | LockSession], session_id: str) -> bool:
+        """Send a call about ``session_id`` and wait for the engine's answer."""
+        self._check_alive()
         call_id = next(self._call_ids)
         call = self._calls[call_id] = asyncio.get_running_loop().create_future()
         try:
-            self._send(UnpinSession(call_id, session_id))
+            self._send(kind(call_id, session_id))
             return await call
         finally:
             del self._calls[call_id]
@@ -315,11 +336,13 @@ class AsyncEngine:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
 
-    def _send(self, message: AddRequest | AbortRequests | UnpinSession | Shutdown) -> None:
+    def _send(self, message: ClientMessage) -> None:
         """Queue ``message`` for the engine without blocking; ``EngineDeadError`` when no
-        engine process is connected to take it (it has exited, or is exiting)."""
+        engine process is connected to take it (it has exited, or is exiting). Attached to
+        another's engine, whose connection to this client's socket may come up to a reconnect
+        interval after its ready message, the first sends may wait for it (``SNDTIMEO``)."""
         try:
-            self._to_engine.send(self._encoder.encode(message), zmq.NOBLOCK, copy=False)
+            self._to_engine.send(self._encoder.encode(message), self._send_flags, copy=False)
         except zmq.Again:
             raise EngineDeadError("the engine process is not connected") from None
 
@@ -331,11 +354,15 @@ class AsyncEngine:
             self._route(message)
 
     def _route(self, message: StepOutputs) -> None:
-        for session_id, token_ids in message.pin_changes.items():
-            if token_ids is None:
-                self._pins.pop(session_id, None)
-            else:
-                self._pins[session_id] = token_ids
+        if message.pin_changes:
+            now = time.monotonic()
+            for session_id, token_ids in message.pin_changes.items():
+                if token_ids is None:
+                    self._pins.pop(session_id, None)
+                    self.pinned_at.pop(session_id, None)
+                else:
+                    self._pins[session_id] = token_ids
+                    self.pinned_at[session_id] = now
         streams = self._streams
         for output in message.outputs:
             stream = streams.get(output.request_id)
@@ -346,9 +373,9 @@ class AsyncEngine:
             if stream is not None:
                 stream.fail(ValueError(failed.error) if failed.invalid
                             else EngineStepError(failed.error))
-        for unpinned in message.unpinned:
-            call = self._calls.get(unpinned.call_id)
+        for answer in message.answers:
+            call = self._calls.get(answer.call_id)
             if call is not None and not call.done():
-                call.set_result(unpinned.unpinned)
+                call.set_result(answer.result)
         if message.stats is not None:
             self._stats = message.stats

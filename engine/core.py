@@ -29,44 +29,59 @@ from engine.ipc import (
     STATS_INTERVAL_S,
     AbortRequests,
     AddRequest,
+    CallAnswer,
+    ClientMessage,
     EngineReady,
     EngineStartupFailed,
+    LockSession,
     RequestFailed,
-    SessionUnpinned,
     Shutdown,
     StepOutputs,
+    UnlockSession,
     UnpinSession,
     engine_decoder,
 )
 from engine.llm_engine import LLMEngine
 from engine.logs import configure_logging
+from engine.outputs import RequestOutput
 from engine.tensor_parallel import WorkerDied
 
 logger = logging.getLogger("engine.core")
 
 
 class EngineCore:
-    """Runs ``engine`` for clients: ``inbox`` receives their messages, ``outbox`` sends them
-    the engine's; ``parent_fd`` turns readable when the parent process exits."""
+    """Runs ``engine`` for clients: client ``i`` sends on ``inboxes[i]`` and is sent to on
+    ``outboxes[i]``; ``parent_fd`` turns readable when the parent process exits.
 
-    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket,
-                 parent_fd: int) -> None:
+    With several clients (``--api-server-count``), each request's outputs and refusals and each
+    call's answer go to the client that sent it; pin changes and stats snapshots go to every
+    client; a session's turn lock (``LockSession``) is held by one client at a time."""
+
+    def __init__(self, engine: LLMEngine, inboxes: list[zmq.Socket],
+                 outboxes: list[zmq.Socket], parent_fd: int) -> None:
         self.engine = engine
-        self.inbox = inbox
-        self.outbox = outbox
+        self.inboxes = inboxes
+        self.outboxes = outboxes
         self.parent_fd = parent_fd
         self._decoder = engine_decoder()
         self._encoder = msgspec.msgpack.Encoder()
         self._stopping = False
         self.failed = False  # stopped because the engine cannot step again
         self.orphaned = False  # stopped because the gateway process is gone
-        self._pending = StepOutputs()
+        self._pending = StepOutputs()  # outputs of every client, pin changes, stats
+        clients = range(len(inboxes))
+        self._failed: list[list[RequestFailed]] = [[] for _ in clients]
+        self._answers: list[list[CallAnswer]] = [[] for _ in clients]
+        self._owner: dict[str, int] = {}  # request id -> its client (several clients only)
+        self._locks: dict[str, int] = {}  # session id -> the client holding its turn lock
+        self._done: set[int] = set()  # clients that sent Shutdown
         self._stats_at = 0.0
         self._changed = False  # since the last stats snapshot
 
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.inbox, zmq.POLLIN)
+        for inbox in self.inboxes:
+            poller.register(inbox, zmq.POLLIN)
         poller.register(self.parent_fd, zmq.POLLIN)
         workers = self.engine.worker_sentinels()  # readable once a worker has exited
         for fd in workers:
@@ -81,7 +96,7 @@ class EngineCore:
             if any(fd in events for fd in workers):
                 self._stop_failed("a tensor-parallel worker exited")
                 break
-            if self.inbox in events:
+            if any(inbox in events for inbox in self.inboxes):
                 self._take_messages()
             if self.engine.has_unfinished():
                 self._step()
@@ -89,14 +104,22 @@ class EngineCore:
         logger.info("engine stopped")
 
     def _take_messages(self) -> None:
-        while True:
-            try:
-                data = self.inbox.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._handle(self._decoder.decode(data.buffer))
+        """Every message that has arrived, unlocks first: a lock released by one client
+        before another asks for it is free, whichever socket is read first."""
+        arrived: list[tuple[int, ClientMessage]] = []
+        for client, inbox in enumerate(self.inboxes):
+            while True:
+                try:
+                    data = inbox.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                arrived.append((client, self._decoder.decode(data.buffer)))
+        arrived.sort(key=lambda item: not isinstance(item[1], UnlockSession))
+        for client, message in arrived:
+            self._handle(client, message)
+        self._changed = True
 
-    def _handle(self, message: AddRequest | AbortRequests | UnpinSession | Shutdown) -> None:
+    def _handle(self, client: int, message: ClientMessage) -> None:
         match message:
             case AddRequest():
                 try:
@@ -104,17 +127,39 @@ class EngineCore:
                                             message.params, session_id=message.session_id,
                                             cache_salt=message.cache_salt)
                 except ValueError as error:
-                    self._pending.failed.append(
+                    self._failed[client].append(
                         RequestFailed(message.request_id, str(error), invalid=True))
+                    return
+                if len(self.inboxes) > 1:
+                    self._owner[message.request_id] = client
             case AbortRequests():
                 for request_id in message.request_ids:
-                    self.engine.abort(request_id)
+                    if self._owner.pop(request_id, client) == client:
+                        self.engine.abort(request_id)
             case UnpinSession():
                 unpinned = self.engine.unpin_session(message.session_id)
-                self._pending.unpinned.append(SessionUnpinned(message.call_id, unpinned))
+                self._answers[client].append(CallAnswer(message.call_id, unpinned))
+            case LockSession():
+                free = message.session_id not in self._locks
+                if free:
+                    self._locks[message.session_id] = client
+                self._answers[client].append(CallAnswer(message.call_id, free))
+            case UnlockSession():
+                if self._locks.get(message.session_id) == client:
+                    del self._locks[message.session_id]
             case Shutdown():
-                self._stopping = True
-        self._changed = True
+                self._leave(client)
+
+    def _leave(self, client: int) -> None:
+        """``client`` is done: its requests are aborted, its locks freed; the engine stops
+        once every client is done."""
+        self._done.add(client)
+        self._stopping = len(self._done) == len(self.inboxes)
+        for request_id in [r for r, c in self._owner.items() if c == client]:
+            del self._owner[request_id]
+            self.engine.abort(request_id)
+        for session_id in [s for s, c in self._locks.items() if c == client]:
+            del self._locks[session_id]
 
     def _step(self) -> None:
         """One engine step; at debug level, a log line with its time and token counts."""
@@ -148,7 +193,8 @@ class EngineCore:
     def _fail_all(self, reason: str) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
-            self._pending.failed.append(RequestFailed(request_id, reason, invalid=False))
+            client = self._owner.pop(request_id, 0)
+            self._failed[client].append(RequestFailed(request_id, reason, invalid=False))
 
     def _send(self) -> None:
         """Send what this iteration produced, with a stats snapshot when one is due: while busy
@@ -161,17 +207,48 @@ class EngineCore:
             pending.stats = self.engine.stats()
             self._stats_at = now
             self._changed = False
-        if (pending.outputs or pending.failed or pending.pin_changes or pending.unpinned
-                or pending.stats is not None):
-            self.outbox.send(self._encoder.encode(pending), copy=False)
-            self._pending = StepOutputs()
+        if len(self.inboxes) == 1:
+            pending.failed, pending.answers = self._failed[0], self._answers[0]
+            if (pending.outputs or pending.failed or pending.pin_changes or pending.answers
+                    or pending.stats is not None):
+                self._deliver(0, pending)
+                self._failed[0], self._answers[0] = [], []
+        else:
+            self._send_each(pending)
+        self._pending = StepOutputs()
+
+    def _send_each(self, pending: StepOutputs) -> None:
+        """Several clients: each gets its own requests' outputs, refusals and answers, and the
+        pin changes and stats snapshot."""
+        outputs: list[list[RequestOutput]] = [[] for _ in self.inboxes]
+        owner = self._owner
+        for output in pending.outputs:
+            client = (owner.pop(output.request_id, None) if output.finished
+                      else owner.get(output.request_id))
+            if client is not None:
+                outputs[client].append(output)
+        shared = bool(pending.pin_changes) or pending.stats is not None
+        for client in range(len(self.inboxes)):
+            if client in self._done:
+                continue
+            if outputs[client] or self._failed[client] or self._answers[client] or shared:
+                self._deliver(client, StepOutputs(
+                    outputs[client], self._failed[client], pending.pin_changes,
+                    self._answers[client], pending.stats))
+                self._failed[client], self._answers[client] = [], []
+
+    def _deliver(self, client: int, message: StepOutputs) -> None:
+        self.outboxes[client].send(self._encoder.encode(message), copy=False)
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m engine.core", description=__doc__)
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
-    parser.add_argument("--inbox", required=True, help="ZeroMQ address to receive from")
-    parser.add_argument("--outbox", required=True, help="ZeroMQ address to send to")
+    parser.add_argument("--inbox", required=True, action="append",
+                        help="ZeroMQ address to receive a client's messages from (one per "
+                             "client, in the order of --outbox)")
+    parser.add_argument("--outbox", required=True, action="append",
+                        help="ZeroMQ address to send a client's messages to")
     parser.add_argument("--parent-fd", type=int, required=True,
                         help="read end of a pipe only the parent process writes to")
     parser.add_argument("--tokenizer-dir", required=True,
@@ -181,18 +258,32 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _close(context: zmq.Context, inboxes: list[zmq.Socket], outboxes: list[zmq.Socket],
+           linger: int | None) -> None:
+    """Close the sockets (an outbox lingers ``linger`` ms, None: its LINGER option)."""
+    for inbox in inboxes:
+        inbox.close(linger=0)
+    for outbox in outboxes:
+        outbox.close(linger=linger)
+    context.term()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     configure_logging(args.log_level)
     context = zmq.Context()
-    inbox = context.socket(zmq.PULL)
-    inbox.connect(args.inbox)
-    outbox = context.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.SNDHWM, 0)  # never block or drop: the client reads every message
-    outbox.setsockopt(zmq.LINGER, 10_000)
-    outbox.connect(args.outbox)
+    inboxes, outboxes = [], []
+    for inbox_address, outbox_address in zip(args.inbox, args.outbox, strict=True):
+        inbox = context.socket(zmq.PULL)
+        inbox.connect(inbox_address)
+        outbox = context.socket(zmq.PUSH)
+        outbox.setsockopt(zmq.SNDHWM, 0)  # never block or drop: the client reads every message
+        outbox.setsockopt(zmq.LINGER, 10_000)
+        outbox.connect(outbox_address)
+        inboxes.append(inbox)
+        outboxes.append(outbox)
     encoder = msgspec.msgpack.Encoder()
     try:
         config = msgspec.json.decode(args.config, type=EngineConfig)
@@ -201,25 +292,26 @@ def main(argv: list[str] | None = None) -> int:
             engine.tokenizer.save_pretrained(args.tokenizer_dir)
     except BaseException as error:  # noqa: BLE001 - reported to the client, then exit
         logger.exception("the engine failed to start")
-        message = f"{type(error).__name__}: {error}"
-        outbox.send(encoder.encode(EngineStartupFailed(message)))
-        inbox.close(linger=0)
-        outbox.close()  # lingers until the message is out
-        context.term()
+        message = encoder.encode(EngineStartupFailed(f"{type(error).__name__}: {error}"))
+        for outbox in outboxes:
+            outbox.send(message)
+        _close(context, inboxes, outboxes, linger=None)  # lingers until the message is out
         return 1
     engine.start_grammar_worker()  # its imports run while the gateway connects
     # Everything alive now (model, tokenizer, modules) lives as long as the process: keep it
     # out of the collector's full passes, which would otherwise stall steps for 100+ ms.
     gc.collect()
     gc.freeze()
-    outbox.send(encoder.encode(EngineReady(engine.info, engine.stats())))
-    logger.info("engine ready (pid %d)", os.getpid())
-    core = EngineCore(engine, inbox, outbox, args.parent_fd)
+    ready = encoder.encode(EngineReady(engine.info, engine.stats()))
+    for outbox in outboxes:
+        outbox.send(ready)
+    logger.info("engine ready (pid %d, %d client%s)", os.getpid(), len(outboxes),
+                "s" if len(outboxes) > 1 else "")
+    core = EngineCore(engine, inboxes, outboxes, args.parent_fd)
     core.run()
     engine.shutdown()
-    inbox.close(linger=0)
-    outbox.close(linger=0 if core.orphaned else None)  # nobody reads what is still queued
-    context.term()
+    # nobody reads what is still queued once the gateway is gone
+    _close(context, inboxes, outboxes, linger=0 if core.orphaned else None)
     return 1 if core.failed else 0
 
 

@@ -1,13 +1,18 @@
 """The messages between the engine process (``engine.core``) and its client
 (``engine.async_engine``), as msgspec structs sent as msgpack over two ZeroMQ sockets.
 
+Each client has its own pair of pipes (``chatgate serve --api-server-count N`` runs N clients
+against one engine; each binds its two sockets, the engine connects to all of them).
+
 Client → engine (one PUSH/PULL pipe): ``AddRequest``, ``AbortRequests``, ``UnpinSession``,
-``Shutdown``.
+``LockSession``, ``UnlockSession``, ``Shutdown`` (with several clients: this client is done; the
+engine stops once every client has sent it).
 
 Engine → client (another): first ``EngineReady`` or ``EngineStartupFailed``; then one
-``StepOutputs`` per engine step that produced anything (every request's delta outputs of that
-step, the requests it refused, session pin changes, answers to ``UnpinSession``, and a stats
-snapshot while busy at most every ``STATS_INTERVAL_S`` and whenever it goes idle).
+``StepOutputs`` per engine step that produced anything for it: the delta outputs and refusals of
+the requests this client sent, answers to its calls, and what every client must know (session
+pin changes, a stats snapshot while busy at most every ``STATS_INTERVAL_S`` and whenever the
+engine goes idle).
 """
 
 import msgspec
@@ -35,11 +40,23 @@ class UnpinSession(msgspec.Struct, tag=True, array_like=True):
     session_id: str
 
 
+class LockSession(msgspec.Struct, tag=True, array_like=True):
+    """Take the session's turn lock (answered False while another client holds it)."""
+
+    call_id: int
+    session_id: str
+
+
+class UnlockSession(msgspec.Struct, tag=True, array_like=True):
+    session_id: str
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ClientMessage = AddRequest | AbortRequests | UnpinSession | Shutdown
+ClientMessage = (AddRequest | AbortRequests | UnpinSession | LockSession | UnlockSession
+                 | Shutdown)
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):
@@ -59,16 +76,18 @@ class RequestFailed(msgspec.Struct, array_like=True):
     invalid: bool  # the request itself was at fault (HTTP 400), not the engine
 
 
-class SessionUnpinned(msgspec.Struct, array_like=True):
+class CallAnswer(msgspec.Struct, array_like=True):
+    """The answer to a client's ``UnpinSession`` (unpinned?) or ``LockSession`` (locked?)."""
+
     call_id: int
-    unpinned: bool
+    result: bool
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     outputs: list[RequestOutput] = []
     failed: list[RequestFailed] = []
     pin_changes: dict[str, list[int] | None] = {}  # session id → pinned token ids, or None
-    unpinned: list[SessionUnpinned] = []
+    answers: list[CallAnswer] = []
     stats: EngineStats | None = None
 
 

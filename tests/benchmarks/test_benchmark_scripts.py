@@ -98,15 +98,17 @@ def test_gpu_e2e_cpu_smoke(tmp_path, tiny_model, capsys, monkeypatch):
 
 def test_gpu_serving_quick(tmp_path, tiny_model, capsys):
     """The serving benchmark's every path on CPU: direct, SSE and WebSocket through a real
-    ``chatgate serve``, and the multi-turn run with and without session_id; every request
-    gets its tokens."""
+    ``chatgate serve`` with one and with two front-end processes, and the multi-turn run with
+    and without session_id; every request gets its tokens."""
     mod = _load("gpu_serving")
     assert mod.main(["--quick", "--device", "cpu", "--dtype", "float32", "--models",
-                     tiny_model, "--out", str(tmp_path)]) == 0
-    _check(tmp_path, "gpu_serving", capsys, "/direct", "ITL p50 ms", "multi-turn")
+                     tiny_model, "--api-server-count", "1,2", "--out", str(tmp_path)]) == 0
+    _check(tmp_path, "gpu_serving", capsys, "/direct", "ITL p50 ms", "multi-turn",
+           "ratio to direct")
     raw = json.loads((tmp_path / "gpu_serving.json").read_text())
     paths = {(lv["path"], lv["concurrency"]) for lv in raw["levels"]}
-    assert paths == {(p, c) for p in ("direct", "sse", "ws") for c in (1, 3)}
+    assert paths == {(p, c) for p in ("direct", "sse", "ws", "sse x2", "ws x2")
+                     for c in (1, 3)}
     assert all(lv["errors"] == 0 and lv["tokens"] == 6 * 4 for lv in raw["levels"])
     turns = raw["multi_turn"][tiny_model]
     assert turns["session_id"]["errors"] == turns["no session_id"]["errors"] == 0

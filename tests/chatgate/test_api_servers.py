@@ -1,0 +1,240 @@
+"""``chatgate serve --api-server-count 2``: two front-end processes accept on one port and share
+one engine process. A keep-alive connection stays with the front-end that accepted it
+(``X-Chatgate-Api-Server`` names it), so a test can send a session's turns to either one."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import websockets
+from chatgate_testlib import REDIS_URL, Server, redis_delete_prefix
+from test_gateway_process import mapped_heavy_libraries
+from test_sessions import TURNS, check_reuse, recv_event, unique_system, ws_turn
+
+HEADER = "x-chatgate-api-server"
+
+
+def start_two_front_ends(log: Path, prefix: str | None) -> Server:
+    """Two front-ends on Redis under ``prefix``, or (None) on the in-process store."""
+    store = [] if prefix is None else ["--redis-url", REDIS_URL, "--redis-prefix", prefix]
+    return Server(["--api-server-count", "2", *store, "--max-model-len", "1024",
+                   "--server-secret", "test-secret-0123456789abcdef"], log).start()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    prefix = f"chatgate-test-{uuid.uuid4().hex[:12]}"
+    srv = start_two_front_ends(tmp_path_factory.mktemp("logs") / "server.log", prefix)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        redis_delete_prefix(prefix)
+
+
+@pytest.fixture()
+def clients(server):
+    """One keep-alive HTTP client per front-end, by index."""
+    with front_end_clients(server) as found:
+        yield found
+
+
+@contextlib.contextmanager
+def front_end_clients(server: Server) -> Iterator[dict[int, httpx.Client]]:
+    found: dict[int, httpx.Client] = {}
+    for _ in range(200):
+        client = httpx.Client(base_url=server.url, timeout=120)
+        index = int(client.get("/healthz").headers[HEADER])
+        if index in found:
+            client.close()
+        else:
+            found[index] = client
+        if len(found) == 2:
+            break
+    try:
+        assert sorted(found) == [0, 1], "every connection went to one front-end"
+        yield found
+    finally:
+        for client in found.values():
+            client.close()
+
+
+def processes(root: int) -> dict[int, str]:
+    """``root``'s descendants: pid -> command line."""
+    out: dict[int, str] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                out[child] = f.read().replace(b"\0", b" ").decode()
+            todo.append(child)
+    return out
+
+
+def sse_turn(client: httpx.Client, body: dict) -> tuple[str, dict]:
+    """One streamed chat turn: its text and usage."""
+    text, usage = "", None
+    with client.stream("POST", "/v1/chat/completions", json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                text += chunk["choices"][0]["delta"].get("content") or ""
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    assert usage is not None
+    return text, usage
+
+
+def test_both_front_ends_stream_sse(clients):
+    for client in clients.values():
+        text, usage = sse_turn(client, {"model": "smollm2", "max_tokens": 6, "temperature": 0,
+                                        "messages": [{"role": "user", "content": "Hi"}]})
+        assert text and usage["completion_tokens"] > 0
+
+
+async def test_both_front_ends_serve_websocket_sessions(server):
+    seen: set[int] = set()
+    for _ in range(200):
+        async with websockets.connect(server.ws_url, subprotocols=["chatgate"]) as ws:
+            index = int(ws.response.headers[HEADER])
+            if index in seen:
+                continue
+            seen.add(index)
+            await ws.send(json.dumps({"type": "session.create"}))
+            await recv_event(ws, {"session"})
+            text, done = await ws_turn(ws, "Hi!")
+            assert text and done["usage"]["completion_tokens"] > 0
+        if seen == {0, 1}:
+            return
+    raise AssertionError(f"WebSocket connections reached only front-end {seen}")
+
+
+def test_a_sessions_turns_alternating_front_ends_compute_only_the_new_tokens(clients):
+    alternate_turns(clients)
+
+
+def alternate_turns(clients: dict[int, httpx.Client]) -> str:
+    """A session's turns over SSE, alternating front-ends, each computing only its new
+    tokens, its history readable through either; the session id."""
+    sid = f"alternate-{uuid.uuid4().hex}"
+    messages = [{"role": "system", "content": unique_system()}]
+    usages = []
+    for i, turn in enumerate(TURNS):
+        messages.append({"role": "user", "content": turn})
+        text, usage = sse_turn(clients[i % 2], {
+            "model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": 12,
+            "session_id": sid})
+        messages.append({"role": "assistant", "content": text})
+        usages.append({"prompt_tokens": usage["prompt_tokens"],
+                       "completion_tokens": usage["completion_tokens"],
+                       "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})
+    check_reuse(usages)
+    for client in clients.values():
+        assert client.get(f"/v1/sessions/{sid}").json()["messages"] == messages[1:]
+    return sid
+
+
+def test_a_concurrent_turn_on_the_other_front_end_gets_409(clients):
+    sid = f"busy-{uuid.uuid4().hex}"
+    body = {"model": "smollm2", "session_id": sid, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count from one to a hundred."}]}
+    with clients[0].stream("POST", "/v1/chat/completions", json={
+            **body, "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        busy = clients[1].post("/v1/chat/completions", json={**body, "max_tokens": 2})
+        assert busy.status_code == 409, busy.text
+        assert busy.json()["error"]["code"] == "session_busy"
+        for _ in lines:
+            pass
+    # the lock went with the turn: the other front-end may take the next one
+    after = clients[1].post("/v1/chat/completions", json={**body, "max_tokens": 2})
+    assert after.status_code == 200, after.text
+
+
+def test_bad_input_is_refused_by_every_front_end(clients):
+    for client in clients.values():
+        bad_json = client.post("/v1/chat/completions", content=b"{",
+                               headers={"Content-Type": "application/json"})
+        no_messages = client.post("/v1/chat/completions",
+                                  json={"model": "smollm2", "messages": []})
+        too_long = client.post("/v1/chat/completions", json={
+            "model": "smollm2", "max_tokens": 2000,
+            "messages": [{"role": "user", "content": "Hi"}]})
+        assert (bad_json.status_code, no_messages.status_code, too_long.status_code) == (
+            400, 400, 400)
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_no_front_end_process_maps_torch(server, clients):
+    for client in clients.values():  # a chat turn on each first
+        assert client.post("/v1/chat/completions", json={
+            "model": "smollm2", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "Hi"}]}).status_code == 200
+    children = processes(server.proc.pid)
+    front_ends = [pid for pid, cmd in children.items() if "multiprocessing.spawn" in cmd]
+    (engine,) = [pid for pid, cmd in children.items() if "engine.core" in cmd]
+    assert len(front_ends) == 2
+    for pid in [server.proc.pid, *front_ends]:
+        assert mapped_heavy_libraries(pid) == set()
+    assert any(name.startswith("libtorch") for name in mapped_heavy_libraries(engine))
+
+
+@pytest.mark.parametrize("victim", ["supervisor", "engine"])
+def test_a_killed_supervisor_or_engine_takes_every_process_down(tmp_path, victim):
+    prefix = f"chatgate-test-{uuid.uuid4().hex[:12]}"
+    server = start_two_front_ends(tmp_path / "server.log", prefix)
+    try:
+        assert server.proc is not None
+        children = processes(server.proc.pid)
+        (engine,) = [pid for pid, cmd in children.items() if "engine.core" in cmd]
+        os.kill(server.proc.pid if victim == "supervisor" else engine, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while any(Path(f"/proc/{pid}").exists() and not _zombie(pid) for pid in children):
+            assert time.monotonic() < deadline, (victim, processes(server.proc.pid),
+                                                 server.log())
+            time.sleep(0.2)
+        if victim == "engine":  # the supervisor exits too, with a failure status
+            assert server.proc.wait(timeout=30) == 1
+    finally:
+        server.stop()
+        redis_delete_prefix(prefix)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_without_redis_every_front_end_shares_the_supervisors_session_store(tmp_path):
+    server = start_two_front_ends(tmp_path / "server.log", None)
+    try:
+        assert server.health()["session_store"] == "SharedSessionStore"
+        with front_end_clients(server) as clients:
+            sid = alternate_turns(clients)
+            assert clients[0].delete(f"/v1/sessions/{sid}").status_code == 200
+            assert clients[1].get(f"/v1/sessions/{sid}").status_code == 404
+    finally:
+        server.stop()
