@@ -238,3 +238,15 @@ def test_without_redis_every_front_end_shares_the_supervisors_session_store(tmp_
             assert clients[1].get(f"/v1/sessions/{sid}").status_code == 404
     finally:
         server.stop()
+
+
+def test_the_count_comes_from_the_flag_else_the_environment_else_one(monkeypatch):
+    from chatgate.cli import build_parser, settings_from_args
+
+    def count(*argv: str) -> int:
+        return settings_from_args(build_parser().parse_args(["serve", *argv])).api_server_count
+
+    monkeypatch.delenv("CHATGATE_API_SERVER_COUNT", raising=False)
+    assert count() == 1
+    monkeypatch.setenv("CHATGATE_API_SERVER_COUNT", "3")
+    assert (count(), count("--api-server-count", "2")) == (3, 2)
