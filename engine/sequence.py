@@ -50,6 +50,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.draft_token_ids: list[int] = []
+        self.num_draft_tokens = 0  # drafts verified and accepted so far (engine.speculative)
+        self.num_accepted_tokens = 0
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None

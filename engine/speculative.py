@@ -47,7 +47,8 @@ PROBE_INTERVAL = 8
 
 def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
-    ``tokens`` of ``min_n``..``max_n`` tokens (none: no such suffix occurs earlier)."""
+    ``tokens`` of ``min_n``..``max_n`` tokens that ``k`` tokens follow, else of the latest
+    occurrence (none: no such suffix occurs earlier)."""
     length = len(tokens)
     if length <= min_n or k < 1:
         return []
@@ -56,7 +57,8 @@ def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
         windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
         hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if full.size else hits[-1]) + n
             return tokens[start:start + k]
     return []
 
@@ -148,6 +150,8 @@ class Speculator:
         self.counters.num_drafts += 1
         self.counters.num_draft_tokens += len(drafts)
         self.counters.num_accepted_tokens += len(tokens) - 1
+        seq.num_draft_tokens += len(drafts)
+        seq.num_accepted_tokens += len(tokens) - 1
         state = self._acceptance.get(seq.seq_id)
         if state is not None:
             state.record(len(drafts), len(tokens) - 1)
