@@ -37,11 +37,14 @@ import numpy as np
 from engine.config import SpeculativeConfig
 from engine.sequence import Sequence
 
-# A sequence whose recent drafts' acceptance (an exponential moving average of accepted /
-# proposed, weight ``EMA_WEIGHT`` on the newest verify) falls under ``MIN_ACCEPTANCE`` drafts
-# again only every ``PROBE_INTERVAL``-th step, to measure it anew.
+# A sequence looks for drafts while its recent acceptance (an exponential moving average of
+# accepted / drafted tokens, weight ``EMA_WEIGHT`` on the newest verify) is at least
+# ``MIN_ACCEPTANCE`` and it found drafts in the last ``QUIET_STEPS`` steps; otherwise only
+# every ``PROBE_INTERVAL``-th step (to measure it anew). On this CPU a verify of K = 4 drafts
+# costs 1.7 decode steps (docs/benchmarks.md): drafts pay once 0.7 of 4 are accepted.
 EMA_WEIGHT = 0.3
 MIN_ACCEPTANCE = 0.3
+QUIET_STEPS = 8
 PROBE_INTERVAL = 8
 
 
@@ -80,9 +83,10 @@ class _Acceptance:
     rate: float = 1.0
     idle: int = 0
 
-    def wants(self) -> bool:
-        self.idle += 1
-        return self.rate >= MIN_ACCEPTANCE or self.idle >= PROBE_INTERVAL
+    def due(self) -> bool:
+        """Whether the sequence looks for drafts this step (see ``MIN_ACCEPTANCE``)."""
+        return ((self.rate >= MIN_ACCEPTANCE and self.idle < QUIET_STEPS)
+                or self.idle % PROBE_INTERVAL == PROBE_INTERVAL - 1)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.rate += EMA_WEIGHT * (num_accepted / num_drafts - self.rate)
@@ -115,8 +119,11 @@ class Speculator:
         return Speculator(SpeculativeConfig.from_dict(options), max_model_len)
 
     def active(self, running: list[Sequence]) -> bool:
-        """Whether this step drafts at all (no more running sequences than the limit)."""
-        return 0 < len(running) <= self.config.disable_by_batch_size
+        """Whether this step may draft: no more running sequences than the limit, and one of
+        them is due (an overlapped step in flight is read first: see ``engine.llm_engine``)."""
+        return (0 < len(running) <= self.config.disable_by_batch_size
+                and any(s.matcher is None and self._acceptance.get(s.seq_id, _Acceptance()).due()
+                        for s in running))
 
     def propose(self, running: list[Sequence]) -> None:
         """Set ``draft_token_ids`` of each running sequence that may speculate (module
@@ -125,10 +132,11 @@ class Speculator:
                             for s in running}
         c = self.config
         for seq in running:
-            if not self._may_draft(seq) or not self._acceptance[seq.seq_id].wants():
-                continue
-            seq.draft_token_ids = propose_ngram(seq.token_ids, self._room(seq),
-                                                c.prompt_lookup_min, c.prompt_lookup_max)
+            state = self._acceptance[seq.seq_id]
+            if self._may_draft(seq) and state.due():
+                seq.draft_token_ids = propose_ngram(seq.token_ids, self._room(seq),
+                                                    c.prompt_lookup_min, c.prompt_lookup_max)
+            state.idle += 1  # until a verdict records it
 
     def _may_draft(self, seq: Sequence) -> bool:
         return (seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens > 0

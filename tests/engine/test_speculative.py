@@ -13,7 +13,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.sampler import draw, draw_key
-from engine.speculative import accepted, propose_ngram
+from engine.sequence import Sequence
+from engine.speculative import PROBE_INTERVAL, Speculator, accepted, propose_ngram
 
 CODE = """def load_users(path):
     users = []
@@ -171,3 +172,30 @@ def test_lookup_bounds_default_to_each_other() -> None:
                                        "prompt_lookup_max": 6})
     assert (one.prompt_lookup_min, one.prompt_lookup_max) == (6, 6)
     assert EngineConfig().speculative_config is None  # off by default
+
+
+def _decoding(tokens: list[int]) -> Sequence:
+    seq = Sequence("r", 0, tokens[:4], SamplingParams(max_tokens=1000), None)
+    seq.token_ids = list(tokens)
+    seq.num_computed_tokens = len(tokens) - 1
+    return seq
+
+
+def test_drafts_back_off_when_rejected_and_under_load() -> None:
+    """A sequence whose drafts are rejected drafts again only every PROBE_INTERVAL-th step;
+    no sequence drafts while more than disable_by_batch_size run."""
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_min": 1, "disable_by_batch_size": 2})
+    speculator = Speculator(config, max_model_len=4096)
+    seq = _decoding([1, 2, 3, 1, 2, 3, 1, 2])
+    drafted_steps = []
+    for step in range(40):
+        speculator.propose([seq])
+        if seq.draft_token_ids:
+            drafted_steps.append(step)
+            speculator.verdict(seq, [9] * (len(seq.draft_token_ids) + 1))  # all rejected
+    assert drafted_steps[:4] == [0, 1, 2, 3]  # until the average falls under MIN_ACCEPTANCE
+    gaps = [b - a for a, b in zip(drafted_steps[3:], drafted_steps[4:], strict=False)]
+    assert gaps and set(gaps) == {PROBE_INTERVAL}
+    crowd = [_decoding([1, 2, 3, 1, 2, 3, 1, 2]) for _ in range(3)]
+    assert not speculator.active(crowd)
