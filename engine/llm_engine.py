@@ -9,8 +9,7 @@ while the host goes on; see ``engine.grammars``). Each sampled sequence ends in
 compute), the next step's input for it is taken on the device, and a sequence that the
 resolved token finishes has computed one token more, discarded. Between steps at most one step
 is in flight, and a placeholder is only ever a sequence's last token, never in a hashed block
-or a pin. A step that drafts (speculative decoding, ``engine.speculative``) reads the step in
-flight first and is not overlapped: drafts follow the last token, verdicts are read at once.
+or a pin. A drafting step (``engine.speculative``) reads the one in flight first; not overlapped.
 
 Not thread-safe: exactly one thread drives it (the caller of ``LLM``, or the loop of the engine
 process, ``engine.core``).
