@@ -40,8 +40,9 @@ from engine.sequence import Sequence
 # A sequence looks for drafts while its recent acceptance (an exponential moving average of
 # accepted / drafted tokens, weight ``EMA_WEIGHT`` on the newest verify) is at least
 # ``MIN_ACCEPTANCE`` and it found drafts in the last ``QUIET_STEPS`` steps; otherwise only
-# every ``PROBE_INTERVAL``-th step (to measure it anew). On this CPU a verify of K = 4 drafts
-# costs 1.7 decode steps (docs/benchmarks.md): drafts pay once 0.7 of 4 are accepted.
+# every ``PROBE_INTERVAL``-th step, with one draft (to measure it anew at little cost). On the
+# 2-core CPU a verify of K = 4 drafts costs 1.7 decode steps, of one 1.2 (docs/benchmarks.md):
+# drafts pay once 0.7 of 4 are accepted.
 EMA_WEIGHT = 0.3
 MIN_ACCEPTANCE = 0.3
 QUIET_STEPS = 8
@@ -83,10 +84,11 @@ class _Acceptance:
     rate: float = 1.0
     idle: int = 0
 
-    def due(self) -> bool:
-        """Whether the sequence looks for drafts this step (see ``MIN_ACCEPTANCE``)."""
-        return ((self.rate >= MIN_ACCEPTANCE and self.idle < QUIET_STEPS)
-                or self.idle % PROBE_INTERVAL == PROBE_INTERVAL - 1)
+    def drafts(self, k: int) -> int:
+        """How many drafts the sequence looks for this step (see ``MIN_ACCEPTANCE``)."""
+        if self.rate >= MIN_ACCEPTANCE and self.idle < QUIET_STEPS:
+            return k
+        return 1 if self.idle % PROBE_INTERVAL == PROBE_INTERVAL - 1 else 0
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.rate += EMA_WEIGHT * (num_accepted / num_drafts - self.rate)
@@ -120,9 +122,11 @@ class Speculator:
 
     def active(self, running: list[Sequence]) -> bool:
         """Whether this step may draft: no more running sequences than the limit, and one of
-        them is due (an overlapped step in flight is read first: see ``engine.llm_engine``)."""
+        them looks for drafts (an overlapped step in flight is read first: see
+        ``engine.llm_engine``)."""
         return (0 < len(running) <= self.config.disable_by_batch_size
-                and any(s.matcher is None and self._acceptance.get(s.seq_id, _Acceptance()).due()
+                and any(s.matcher is None
+                        and self._acceptance.get(s.seq_id, _Acceptance()).drafts(1)
                         for s in running))
 
     def propose(self, running: list[Sequence]) -> None:
@@ -133,9 +137,11 @@ class Speculator:
         c = self.config
         for seq in running:
             state = self._acceptance[seq.seq_id]
-            if self._may_draft(seq) and state.due():
-                seq.draft_token_ids = propose_ngram(seq.token_ids, self._room(seq),
-                                                    c.prompt_lookup_min, c.prompt_lookup_max)
+            k = (min(state.drafts(c.num_speculative_tokens), self._room(seq))
+                 if self._may_draft(seq) else 0)
+            if k > 0:
+                seq.draft_token_ids = propose_ngram(seq.token_ids, k, c.prompt_lookup_min,
+                                                    c.prompt_lookup_max)
             state.idle += 1  # until a verdict records it
 
     def _may_draft(self, seq: Sequence) -> bool:

@@ -196,6 +196,7 @@ def test_drafts_back_off_when_rejected_and_under_load() -> None:
             speculator.verdict(seq, [9] * (len(seq.draft_token_ids) + 1))  # all rejected
     assert drafted_steps[:4] == [0, 1, 2, 3]  # until the average falls under MIN_ACCEPTANCE
     gaps = [b - a for a, b in zip(drafted_steps[3:], drafted_steps[4:], strict=False)]
-    assert gaps and set(gaps) == {PROBE_INTERVAL}
+    assert gaps and set(gaps) == {PROBE_INTERVAL}  # probes, of one draft each
+    assert speculator.counters.num_draft_tokens == 4 * 3 + len(gaps)
     crowd = [_decoding([1, 2, 3, 1, 2, 3, 1, 2]) for _ in range(3)]
     assert not speculator.active(crowd)
