@@ -1,6 +1,7 @@
 """Speculative decoding with n-gram drafts against plain decoding, same engine settings.
 
-Workloads (greedy; each prompt run by both engines back to back, so the host's drift cancels):
+Workloads (greedy; each prompt run by both engines back to back, either first in turn, so the
+host's drift cancels):
   edit     one stream: a ~300-token Python snippet and an instruction to rename two names in
            it (``--prompts`` prompts): tokens/s with and without speculation, their ratio,
            the acceptance rate (accepted / drafted tokens) and the mean accepted length (tokens
@@ -110,15 +111,17 @@ def prose_chats(n: int) -> list[list[dict]]:
 
 
 def one_stream(plain, spec, chats: list[list[dict]], params, log) -> dict[str, float]:
-    """Each chat alone, plain then speculative: tokens/s of each over the whole request and
-    over its decode (first token to last), and the drafts' figures."""
+    """Each chat alone, plain and speculative one after the other (either first, in turn):
+    tokens/s of each over the whole request and over its decode (first token to last), and
+    the drafts' figures."""
     keys = ("plain", "spec")
     wall = dict.fromkeys(keys, 0.0)
     decode = dict.fromkeys(keys, 0.0)
     tokens = dict.fromkeys(keys, 0)
     drafted = accepted = verifies = 0
     for i, chat in enumerate(chats):
-        for name, llm in (("plain", plain), ("spec", spec)):
+        pair = [("plain", plain), ("spec", spec)]
+        for name, llm in pair if i % 2 == 0 else pair[::-1]:  # either first, in turn
             engine = llm.engine
             before = engine.stats().spec_decode_num_drafts
             ids = engine.render_chat(chat)
