@@ -211,7 +211,8 @@ class LLMEngine:
         if self.kv_transfer is not None:
             self.kv.complete_offloads(self.kv_transfer.poll())
         outputs: list[RequestOutput] = []
-        if self.speculator is not None and self.speculator.active(self.scheduler.running):
+        if self.speculator is not None and self.speculator.active(self.scheduler.running,
+                                                                   self._inflight is not None):
             if self._inflight is not None:  # drafts follow the last token: read it first
                 outputs = self._resolve_inflight(clock)
             self.speculator.propose(self.scheduler.running)
@@ -356,9 +357,8 @@ class LLMEngine:
 
     def _apply_tokens(self, tokens: list[tuple[Sequence, int, TokenLogprob | None]],
                       verified: Collection[int] = ()) -> list[RequestOutput]:
-        """Append each sampled token to its sequence (stop checks, text; nothing past a stop)
-        and return the outputs of the requests that changed. A ``verified`` (seq id) sequence
-        commits the KV of the token before each one, then frees its blocks past them."""
+        """Append each token to its sequence (stop checks, text; nothing past a stop): the
+        outputs of the requests that changed. A ``verified`` (seq id) one commits per token."""
         touched: dict[str, Request] = {}
         for seq, token, logprob in tokens:
             request = self.requests[seq.request_id]

@@ -37,10 +37,12 @@ import numpy as np
 from engine.config import SpeculativeConfig
 from engine.sequence import Sequence
 
-# A sequence looks for drafts while its recent acceptance (an exponential moving average of
+# A sequence looks for K drafts while its recent acceptance (an exponential moving average of
 # accepted / drafted tokens, weight ``EMA_WEIGHT`` on the newest verify) is at least
-# ``MIN_ACCEPTANCE`` and it found drafts in the last ``QUIET_STEPS`` steps; otherwise only
-# every ``PROBE_INTERVAL``-th step, with one draft (to measure it anew at little cost). On the
+# ``MIN_ACCEPTANCE``; otherwise only every ``PROBE_INTERVAL``-th step, for one draft (to
+# measure it anew at little cost). While a step is in flight (overlapped scheduling), looking
+# means reading it first, so it is only done for a sequence that found drafts in the last
+# ``QUIET_STEPS`` steps, or for a probe. On the
 # 2-core CPU a verify of K = 4 drafts costs 1.7 decode steps, of one 1.2 (docs/benchmarks.md):
 # drafts pay once 0.7 of 4 are accepted.
 EMA_WEIGHT = 0.3
@@ -86,9 +88,14 @@ class _Acceptance:
 
     def drafts(self, k: int) -> int:
         """How many drafts the sequence looks for this step (see ``MIN_ACCEPTANCE``)."""
-        if self.rate >= MIN_ACCEPTANCE and self.idle < QUIET_STEPS:
+        if self.rate >= MIN_ACCEPTANCE:
             return k
         return 1 if self.idle % PROBE_INTERVAL == PROBE_INTERVAL - 1 else 0
+
+    def worth_waiting(self) -> bool:
+        """Whether to read a step in flight for this sequence's drafts (``QUIET_STEPS``)."""
+        return ((self.rate >= MIN_ACCEPTANCE and self.idle < QUIET_STEPS)
+                or self.idle % PROBE_INTERVAL == PROBE_INTERVAL - 1)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.rate += EMA_WEIGHT * (num_accepted / num_drafts - self.rate)
@@ -120,14 +127,15 @@ class Speculator:
             return None
         return Speculator(SpeculativeConfig.from_dict(options), max_model_len)
 
-    def active(self, running: list[Sequence]) -> bool:
+    def active(self, running: list[Sequence], in_flight: bool) -> bool:
         """Whether this step may draft: no more running sequences than the limit, and one of
-        them looks for drafts (an overlapped step in flight is read first: see
-        ``engine.llm_engine``)."""
-        return (0 < len(running) <= self.config.disable_by_batch_size
-                and any(s.matcher is None
-                        and self._acceptance.get(s.seq_id, _Acceptance()).drafts(1)
-                        for s in running))
+        them looks for drafts; with a step ``in_flight`` (which is then read first: see
+        ``engine.llm_engine``), one worth waiting for."""
+        if not 0 < len(running) <= self.config.disable_by_batch_size:
+            return False
+        states = [self._acceptance.get(s.seq_id, _Acceptance()) for s in running
+                  if s.matcher is None]
+        return any(s.worth_waiting() if in_flight else s.drafts(1) for s in states)
 
     def propose(self, running: list[Sequence]) -> None:
         """Set ``draft_token_ids`` of each running sequence that may speculate (module

@@ -88,6 +88,19 @@ def test_sampled_output_is_identical(engines: tuple[LLM, LLM], params: SamplingP
     assert _outputs(spec, params) == _outputs(plain, params)
 
 
+def test_overlapped_scheduling_keeps_the_output(smollm2, engines: tuple[LLM, LLM]) -> None:
+    """With overlapped steps (the CUDA default) a drafting step reads the one in flight first:
+    the same tokens, and drafts were verified."""
+    plain, _ = engines
+    overlapped = LLM("smollm2", loaded=smollm2, num_kv_blocks=400, async_scheduling=True,
+                     speculative_config={**SPEC, "disable_by_batch_size": 2})
+    params = SamplingParams(temperature=0, max_tokens=40)
+    chats = _chats()[:2] + _chats()[-3:]
+    assert ([o.outputs[0].token_ids for o in overlapped.chat(chats, params)]
+            == [o.outputs[0].token_ids for o in plain.chat(chats, params)])
+    assert overlapped.engine.stats().spec_decode_num_accepted_tokens > 0
+
+
 def test_sessions_pin_only_accepted_tokens(engines: tuple[LLM, LLM]) -> None:
     """Two turns of a pinned session: the same answers, the same pinned tokens, and every
     hashed block and the pin hold KV equal to the plain engine's for the same tokens."""
@@ -199,4 +212,4 @@ def test_drafts_back_off_when_rejected_and_under_load() -> None:
     assert gaps and set(gaps) == {PROBE_INTERVAL}  # probes, of one draft each
     assert speculator.counters.num_draft_tokens == 4 * 3 + len(gaps)
     crowd = [_decoding([1, 2, 3, 1, 2, 3, 1, 2]) for _ in range(3)]
-    assert not speculator.active(crowd)
+    assert not speculator.active(crowd, in_flight=False)
