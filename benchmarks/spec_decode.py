@@ -210,7 +210,7 @@ def verify_cost(args, log) -> list[list[object]]:
             for seq in running:
                 seq.draft_token_ids = [seq.token_ids[-1]] * k
         engine.speculator.propose = propose
-        engine.speculator.active = lambda running: k > 0  # K = 0: overlapped decode steps
+        engine.speculator.active = lambda running, in_flight: k > 0  # K = 0: overlapped decode
         for _ in range(3):
             engine.step()
         sync()
