@@ -38,7 +38,8 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                help=f.metadata["help"])
         else:
-            group.add_argument(flag, type=kind, default=default, help=f.metadata["help"],
+            group.add_argument(flag, type=f.metadata.get("parse", kind), default=default,
+                               help=f.metadata["help"],
                                choices=f.metadata.get("choices"))
 
 

@@ -62,6 +62,20 @@ class _EngineCollector(Collector):
                             "Requests preempted (recomputed) for lack of KV blocks.",
                             s.num_preemptions)
         yield from self._host_tier(s)
+        yield from self._spec_decode(s)
+
+    def _spec_decode(self, s: EngineStats) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        """Speculative decoding (--speculative-config; zeros when off), vLLM's names."""
+        yield self._counter("spec_decode_num_drafts", "Speculative verify passes (one per "
+                            "sequence and step with drafts).", s.spec_decode_num_drafts)
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                            s.spec_decode_num_draft_tokens)
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            s.spec_decode_num_accepted_tokens)
+        drafted = s.spec_decode_num_draft_tokens
+        yield self._gauge("spec_decode_draft_acceptance_rate", "Accepted / verified draft "
+                          "tokens since start (0 when none).",
+                          s.spec_decode_num_accepted_tokens / drafted if drafted else 0.0)
 
     def _host_tier(self, s: EngineStats) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         """The host KV tier (--kv-offloading-size); zeros when it is off."""

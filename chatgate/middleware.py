@@ -182,12 +182,18 @@ class RequestGuard:
 
 
 def tokens_text(stats: list[TurnStats]) -> str:
-    """`` prompt=P cached=C completion=N`` summed over the turns (empty for none)."""
+    """`` prompt=P cached=C completion=N`` summed over the turns (empty for none), then
+    `` spec_accepted=A/D (R%)`` where speculative drafts were verified."""
     if not stats:
         return ""
-    return (f" prompt={sum(s.prompt_tokens for s in stats)}"
+    text = (f" prompt={sum(s.prompt_tokens for s in stats)}"
             f" cached={sum(s.cached_tokens for s in stats)}"
             f" completion={sum(s.completion_tokens for s in stats)}")
+    drafted = sum(s.draft_tokens for s in stats)
+    if drafted:
+        accepted = sum(s.accepted_tokens for s in stats)
+        text += f" spec_accepted={accepted}/{drafted} ({100 * accepted / drafted:.0f}%)"
+    return text
 
 
 def access_log(scope: Scope, status: int, seconds: float) -> None:

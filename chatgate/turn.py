@@ -35,6 +35,8 @@ class TurnStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    draft_tokens: int = 0  # speculative drafts verified, and accepted (0: none)
+    accepted_tokens: int = 0
     ttft_s: float | None = None
     started: float = field(default_factory=time.perf_counter)
     ended: float | None = None
@@ -284,6 +286,8 @@ class Turn:
                     if self.session_id is not None:
                         await self.store()
                 finished = out.finished
+                stats.draft_tokens = out.num_draft_tokens
+                stats.accepted_tokens = out.num_accepted_tokens
                 yield out
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from None

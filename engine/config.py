@@ -7,7 +7,8 @@ the field's name with dashes: ``max_num_seqs`` -> ``--max-num-seqs``; ``choices`
 Plain data (no torch): the engine process resolves device and dtype (``engine.device``).
 """
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 BLOCK_SIZES = (8, 16, 32)
@@ -21,15 +22,74 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None,  # noqa: A002
-          serve_default: Any = None) -> Any:
+          serve_default: Any = None, parse: Any = None) -> Any:
     """A field that ``chatgate serve`` exposes as a flag (with ``serve_default`` as the flag's
-    default where serving wants another than the library)."""
+    default where serving wants another than the library; ``parse``: the flag's text to the
+    field's value, where the field's type cannot read it)."""
     metadata: dict[str, Any] = {"help": help}
+    if parse is not None:
+        metadata["parse"] = parse
     if choices is not None:
         metadata["choices"] = choices
     if serve_default is not None:
         metadata["serve_default"] = serve_default
     return field(default=default, metadata=metadata)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object text (``--speculative-config``) as a dict."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``speculative_config``'s fields (vLLM's names). Drafts are the up to
+    ``num_speculative_tokens`` tokens that followed the latest earlier occurrence of the
+    longest suffix of ``prompt_lookup_min``..``prompt_lookup_max`` tokens; one of the two
+    given alone stands for both, neither: 4 and 2. ``disable_by_batch_size``: no drafts while
+    more sequences than this run (default 4; see ``engine.speculative`` for the rule)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 4
+
+    @staticmethod
+    def from_dict(options: dict[str, Any]) -> "SpeculativeConfig":
+        """Validate ``options``; ``ValueError`` naming the field that is wrong."""
+        if not isinstance(options, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {options!r}")
+        known = {f.name for f in fields(SpeculativeConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; "
+                             f"known: {sorted(known)}")
+        if options.get("method") != "ngram":
+            raise ValueError("speculative_config: method must be 'ngram' (prompt lookup), "
+                             f"got {options.get('method')!r}")
+        values = dict(options)
+        low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+        if low is None and high is not None:
+            values["prompt_lookup_min"] = high
+        elif high is None and low is not None:
+            values["prompt_lookup_max"] = low
+        if "num_speculative_tokens" not in values:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        for name in known - {"method"}:
+            value = values.get(name, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, "
+                                 f"got {value!r}")
+        config = SpeculativeConfig(**values)
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError("speculative_config: prompt_lookup_min "
+                             f"({config.prompt_lookup_min}) exceeds prompt_lookup_max "
+                             f"({config.prompt_lookup_max})")
+        return config
 
 
 @dataclass
@@ -93,7 +153,16 @@ class EngineConfig:
     tensor_parallel_size: int = _flag(1, "split every layer across this many processes (one "
                                          "GPU each on CUDA; Gloo on the CPU)")
 
+    # Speculative decoding (vLLM's --speculative-config, method "ngram" only): see
+    # engine/speculative.py; off (None) by default
+    speculative_config: dict[str, Any] | None = _flag(
+        None, 'speculative decoding as JSON, e.g. {"method": "ngram", '
+              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
+              '(default: off)', parse=json_object)
+
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises if it is wrong
         if self.dtype == "auto":
             self.dtype = None
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -207,6 +207,13 @@ class KVCacheManager:
         for i in range(before // bs, seq.num_computed_tokens // bs):
             self.pool.cache(self.pool.blocks[seq.block_table[i]], self._block_hash(seq, i))
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past ``seq``'s computed tokens, tail first (after a speculative step:
+        the blocks only rejected drafts were written into)."""
+        keep = _cdiv(seq.num_computed_tokens, self.block_size)
+        self.pool.free(self.pool.blocks[b] for b in reversed(seq.block_table[keep:]))
+        del seq.block_table[keep:]
+
     def _block_hash(self, seq: Sequence, index: int) -> bytes:
         bs = self.block_size
         while len(seq.block_hashes) <= index:

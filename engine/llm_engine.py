@@ -9,13 +9,14 @@ while the host goes on; see ``engine.grammars``). Each sampled sequence ends in
 compute), the next step's input for it is taken on the device, and a sequence that the
 resolved token finishes has computed one token more, discarded. Between steps at most one step
 is in flight, and a placeholder is only ever a sequence's last token, never in a hashed block
-or a pin.
+or a pin. A drafting step (``engine.speculative``) reads the one in flight first; not overlapped.
 
 Not thread-safe: exactly one thread drives it (the caller of ``LLM``, or the loop of the engine
 process, ``engine.core``).
 """
 
 import weakref
+from collections.abc import Collection
 
 import torch
 
@@ -34,7 +35,8 @@ from engine.runner_factory import build_runner, load_for_rank
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
-from engine.stats import EngineStats
+from engine.speculative import Speculator
+from engine.stats import EngineStats, snapshot
 from engine.step_sampling import StepSampler
 from engine.step_timing import NO_CLOCK, NoClock, StepClock, StepTiming
 from engine.structured import GrammarMasks
@@ -100,6 +102,7 @@ class LLMEngine:
                                  else self.runner.device.type == "cuda" and tp is None)
         self._inflight: InflightStep | None = None
         self.step_timings: list[StepTiming] | None = [] if time_steps else None
+        self.speculator = Speculator.of(config.speculative_config, self.max_model_len)
         # overlapped steps draw through CUDA graphs where they can
         self.sampler = StepSampler(self.eos_token_ids, {
             size: logits for size, (_, logits) in self.runner.graphs.items()
@@ -207,6 +210,12 @@ class LLMEngine:
     def _step(self, clock: StepClock | NoClock) -> list[RequestOutput]:
         if self.kv_transfer is not None:
             self.kv.complete_offloads(self.kv_transfer.poll())
+        outputs: list[RequestOutput] = []
+        if self.speculator is not None and self.speculator.active(self.scheduler.running,
+                                                                   self._inflight is not None):
+            if self._inflight is not None:  # drafts follow the last token: read it first
+                outputs = self._resolve_inflight(clock)
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if self.kv_transfer is not None:  # host tier copies, ahead of the forward
             self.kv_transfer.run(batch.offloads, batch.reloads)
@@ -215,9 +224,8 @@ class LLMEngine:
         overlap = (self.async_scheduling and bool(batch.seqs)
                    and all(self._overlappable(seq) for seq in sampled))
         clock.lap("schedule")
-        outputs: list[RequestOutput] = []
         if not overlap and self._inflight is not None:
-            outputs = self._resolve_inflight(clock)
+            outputs += self._resolve_inflight(clock)
             batch = self._without_finished(batch)
             sample_indices = self._sample_indices(batch)
         if not batch.seqs:
@@ -241,23 +249,23 @@ class LLMEngine:
             clock.lap("draw")
             return outputs
         self._commit(batch)
-        tokens = self._sample_now(batch, sample_indices, logits)
+        tokens, verified = self._sample_now(batch, sample_indices, logits)
         clock.lap("sample")
-        outputs += self._apply_tokens(tokens)
+        outputs += self._apply_tokens(tokens, verified)
         clock.lap("outputs")
         return outputs
 
     @staticmethod
     def _sample_indices(batch: ScheduledBatch) -> list[int]:
-        """Rows whose step ends at their last token: those sample one."""
+        """Rows whose step ends at their last token (or draft): those sample."""
         return [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens,
                                                    strict=True))
-                if seq.num_computed_tokens + n == seq.num_tokens]
+                if seq.num_computed_tokens + n == seq.num_tokens + len(seq.draft_token_ids)]
 
     def _overlappable(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s next token can be sampled without reading it at once (logprobs
-        and the first token of n > 1, which forks, need it on the host)."""
-        return (seq.params.logprobs is None
+        """Whether ``seq``'s next token can be sampled without reading it at once (logprobs,
+        the first token of n > 1, which forks, and drafts' verdicts need it on the host)."""
+        return (seq.params.logprobs is None and not seq.draft_token_ids
                 and not self.requests[seq.request_id].pending_forks)
 
     def _launch_draw(self, sampled: list[Sequence], logits: torch.Tensor,
@@ -304,22 +312,30 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.is_finished:
                 continue
-            if n == 1 and seq.num_output_tokens > 0:
-                self.num_decode_tokens += 1
+            if seq.draft_token_ids or (n == 1 and seq.num_output_tokens > 0):
+                self.num_decode_tokens += n
             else:
                 self.num_prefill_tokens += n
-            self.kv.commit(seq, n)
+            if not seq.draft_token_ids:  # a verified one commits per token (_apply_tokens)
+                self.kv.commit(seq, n)
 
     def _sample_now(self, batch: ScheduledBatch, sample_indices: list[int],
-                    logits: torch.Tensor) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """Sample on the host's watch (grammars, penalties, logprobs, forks): the tokens, read,
-        and the grammars advanced by them."""
+                    logits: torch.Tensor
+                    ) -> tuple[list[tuple[Sequence, int, TokenLogprob | None]], set[int]]:
+        """Sample on the host's watch (grammars, penalties, logprobs, forks, drafts): the
+        tokens, read (a speculative sequence's accepted ones), the grammars advanced by them,
+        and the seq ids of the speculative sequences."""
         rows: list[int] = []
         sampled: list[Sequence] = []
-        for row, index in enumerate(sample_indices):
+        ahead: list[int] = []
+        row = -1  # the logits row of the last token (of a draft, then the last token)
+        for index in sample_indices:
             seq = batch.seqs[index]
-            rows.append(row)
-            sampled.append(seq)
+            width = 1 + len(seq.draft_token_ids)
+            rows += range(row + 1, row + 1 + width)
+            row += width
+            sampled += [seq] * width
+            ahead += range(width)
             request = self.requests[seq.request_id]
             if request.pending_forks and seq is request.seqs[0]:
                 for child in request.pending_forks:
@@ -327,25 +343,36 @@ class LLMEngine:
                     self.scheduler.add_running(child)
                     rows.append(row)
                     sampled.append(child)
+                    ahead.append(0)
                 request.pending_forks = []
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
         masks = self.grammars.prepare(sampled, self.runner.last_graph_size or 0)
-        token_ids, logprobs = self.sampler.sample(sampled, logits, masks)
+        token_ids, logprobs = self.sampler.sample(sampled, logits, masks, ahead)
         self.grammars.advance(masks, list(zip(sampled, token_ids, strict=True)))
-        return list(zip(sampled, token_ids, logprobs, strict=True))
+        tokens = list(zip(sampled, token_ids, logprobs, strict=True))
+        if self.speculator is None:
+            return tokens, set()
+        return self.speculator.settle(tokens)
 
-    def _apply_tokens(self, tokens: list[tuple[Sequence, int, TokenLogprob | None]]
-                      ) -> list[RequestOutput]:
-        """Append each sampled token to its sequence (stop checks, text) and return the outputs
-        of the requests that changed."""
+    def _apply_tokens(self, tokens: list[tuple[Sequence, int, TokenLogprob | None]],
+                      verified: Collection[int] = ()) -> list[RequestOutput]:
+        """Append each token to its sequence (stop checks, text; nothing past a stop): the
+        outputs of the requests that changed. A ``verified`` (seq id) one commits per token."""
         touched: dict[str, Request] = {}
         for seq, token, logprob in tokens:
             request = self.requests[seq.request_id]
             touched[request.request_id] = request
+            if seq.is_finished:  # a verified sequence stopped at an earlier token
+                continue
+            if seq.seq_id in verified:
+                self.kv.commit(seq, 1)
             if append_token(request, seq, token, logprob, self.eos_token_ids,
                             self.max_model_len, self.grammars):
                 self.scheduler.finish(seq)
+        for seq, _, _ in tokens:
+            if seq.seq_id in verified and not seq.is_finished:
+                self.kv.trim(seq)
         outputs = []
         for request in touched.values():
             finished = request.finished
@@ -369,31 +396,5 @@ class LLMEngine:
         return render_chat(self.tokenizer, messages,
                            pinned.token_ids if pinned is not None else None)
 
-    # -- stats -------------------------------------------------------------------------------
-
     def stats(self) -> EngineStats:
-        pool = self.kv.pool
-        return EngineStats(
-            num_requests_running=len({s.request_id for s in self.scheduler.running}),
-            num_requests_waiting=len({s.request_id for s in self.scheduler.waiting}),
-            num_blocks_total=pool.num_blocks,
-            num_blocks_used=pool.num_used,
-            num_blocks_free=pool.num_free,
-            block_size=self.config.block_size,
-            prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits,
-            num_pinned_sessions=len(self.kv.pinned_sessions()),
-            num_pinned_blocks=self.kv.num_pinned_blocks,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_prefill_tokens_computed=self.num_prefill_tokens,
-            num_decode_tokens_computed=self.num_decode_tokens,
-            num_tokens_stored=self.kv.stored_tokens(self.scheduler.running),
-            **self._host_tier_stats(),
-        )
-
-    def _host_tier_stats(self) -> dict:
-        host, moved = self.kv.host, self.kv_transfer
-        if host is None or moved is None:
-            return {}
-        return {"host_kv_blocks_total": host.num_slots, "host_cache_hits": self.kv.host_hits,
-                "host_kv_blocks_used": host.num_slots - len(host.free), **moved.counters()}
+        return snapshot(self)

@@ -230,13 +230,20 @@ class ModelRunner:
                                                                     num_new)
             ids: list[int] = []
             for seq, start, end in zip(seqs, starts.tolist(), ends.tolist(), strict=True):
-                ids.extend(seq.token_ids[start:end])
+                tokens = seq.token_ids
+                if end > len(tokens):  # a speculative step: the drafts follow
+                    tokens = tokens + seq.draft_token_ids
+                ids.extend(tokens[start:end])
             input_ids = np.asarray(ids, dtype=np.int64)
         slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        return {"input_ids": input_ids, "positions": positions, "slot_mapping": slots,
+        host = {"input_ids": input_ids, "positions": positions, "slot_mapping": slots,
                 "block_tables": tables, "seq_lens": ends.astype(np.int32),
                 "query_start_loc": query_start.astype(np.int32), "max_query_len":
                 int(num_new.max()), "max_seq_len": int(ends.max())}
+        if any(s.draft_token_ids for s in seqs):
+            host["num_drafts"] = np.fromiter((len(s.draft_token_ids) for s in seqs),
+                                             dtype=np.int64, count=n)
+        return host
 
     # -- execution ---------------------------------------------------------------------------
 
@@ -244,7 +251,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, sample_indices: list[int],
                 feed: np.ndarray | None = None, host: dict[str, np.ndarray] | None = None,
                 clock: StepClock | NoClock = NO_CLOCK) -> torch.Tensor:
-        """Run one step; returns the logits (model dtype) of the sequences at ``sample_indices``.
+        """Run one step; returns the logits (model dtype) of the sequences at ``sample_indices``
+        (``1 + len(draft_token_ids)`` rows for a speculative one: :meth:`logit_rows`).
 
         ``feed[i] >= 0``: sequence ``i`` is decoding a token the host has not read yet, row
         ``feed[i]`` of :meth:`keep_sampled`'s last tokens, taken on the device. ``host``: the
@@ -308,8 +316,20 @@ class ModelRunner:
             input_ids[self._to_device(dst)] = self.sampled[self._to_device(feed[rows])]
         hidden = self.model.forward(input_ids, self._to_device(host["positions"]), meta,
                                     self.kv_cache)
+        return self.model.compute_logits(hidden[self._to_device(
+            self.logit_rows(host, sample_indices))])
+
+    @staticmethod
+    def logit_rows(host: dict[str, np.ndarray], sample_indices: list[int]) -> np.ndarray:
+        """The query rows whose logits a step returns: each sampled sequence's last one,
+        preceded by one per draft of a speculative sequence (its drafts' positions, in order)."""
         last = host["query_start_loc"][1:].astype(np.int64)[sample_indices] - 1
-        return self.model.compute_logits(hidden[self._to_device(last)])
+        if "num_drafts" not in host:
+            return last
+        drafts = host["num_drafts"][sample_indices]
+        return np.repeat(last - drafts, drafts + 1) + (
+            np.arange(int((drafts + 1).sum())) - np.repeat(np.cumsum(drafts + 1) - drafts - 1,
+                                                           drafts + 1))
 
     def keep_sampled(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Keep a step's sampled ``tokens`` on the device for the next step's ``feed`` and

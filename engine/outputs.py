@@ -43,7 +43,9 @@ class CompletionOutput(msgspec.Struct, array_like=True, gc=False):
 
 class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     """``finished``: every sample has finished. ``prompt``/``prompt_token_ids`` are set on
-    final-only outputs (delta outputs leave them None: the caller sent the prompt)."""
+    final-only outputs (delta outputs leave them None: the caller sent the prompt).
+    ``num_draft_tokens``/``num_accepted_tokens``: speculative drafts verified and accepted
+    for the request so far, over its samples (0 without speculative decoding)."""
 
     request_id: str
     outputs: list[CompletionOutput]
@@ -51,6 +53,8 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     finished: bool = False
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def merge_outputs(into: RequestOutput, new: RequestOutput) -> None:
@@ -68,4 +72,5 @@ def merge_outputs(into: RequestOutput, new: RequestOutput) -> None:
         old.cumulative_logprob = c.cumulative_logprob
         old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
     into.num_cached_tokens = new.num_cached_tokens
+    into.num_draft_tokens, into.num_accepted_tokens = new.num_draft_tokens, new.num_accepted_tokens
     into.finished = new.finished

@@ -58,7 +58,7 @@ class Request:
             self.unsent_text[i] = ""
             self.finish_sent[i] = reason is not None
         return RequestOutput(self.request_id, completions, self.seqs[0].num_cached_tokens,
-                             finished)
+                             finished, None, None, *self.speculation())
 
     def final_output(self) -> RequestOutput:
         """Every sample whole: all its tokens, its full text and logprobs."""
@@ -81,4 +81,11 @@ class Request:
             finished=self.finished,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
+            num_draft_tokens=self.speculation()[0],
+            num_accepted_tokens=self.speculation()[1],
         )
+
+    def speculation(self) -> tuple[int, int]:
+        """Speculative draft tokens verified and accepted so far, over the samples."""
+        return (sum(s.num_draft_tokens for s in self.seqs),
+                sum(s.num_accepted_tokens for s in self.seqs))

@@ -6,6 +6,10 @@ except a step's first such copy, which is never refused: a burst of returning se
 back over several steps (the first ones answer first, running requests keep stepping) rather
 than all in one long step, and a history longer than the budget still comes back.
 
+A running sequence with speculative drafts (``Sequence.draft_token_ids``) is scheduled with
+them (its last token and the drafts, in one step); drafts the token budget cuts off, or those
+of a sequence not scheduled this step or preempted, are dropped.
+
 When blocks run out, the least recently used pinned session is released first; only then is
 the lowest-priority running sequence preempted (its blocks freed, to be recomputed later from
 the front of the waiting queue).
@@ -59,7 +63,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens,
+                          budget)
+            del seq.draft_token_ids[max(0, num_new - seq.num_tokens
+                                        + seq.num_computed_tokens):]
             while not self.kv.grow(seq, num_new):
                 if self.kv.unpin_lru():
                     continue
@@ -73,6 +80,8 @@ class Scheduler:
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
                 i += 1
+        for seq in self.running[i:]:
+            seq.draft_token_ids.clear()
 
         free_slots = self.max_num_seqs - len(self.running)
         if self.running and free_slots < min(self.admission_batch, len(self.waiting)):
@@ -104,6 +113,7 @@ class Scheduler:
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft_token_ids.clear()
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

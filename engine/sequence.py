@@ -19,7 +19,10 @@ class SequenceStatus(Enum):
 class Sequence:
     """``token_ids`` = prompt + output. KV exists for ``token_ids[:num_computed_tokens]``;
     ``block_table`` covers at least those tokens. ``block_hashes[i]`` is the chained hash of
-    full block ``i`` (computed as blocks fill, only with prefix caching on)."""
+    full block ``i`` (computed as blocks fill, only with prefix caching on).
+    ``draft_token_ids``: speculative tokens proposed after ``token_ids`` for the step being
+    scheduled and run (``engine.speculative``), never part of ``token_ids``; empty between
+    steps."""
 
     def __init__(
         self,
@@ -46,6 +49,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
+        self.draft_token_ids: list[int] = []
+        self.num_draft_tokens = 0  # drafts verified and accepted so far (engine.speculative)
+        self.num_accepted_tokens = 0
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None

@@ -1,6 +1,12 @@
 """A snapshot of the engine's counters and gauges (what ``stats()`` and /metrics report)."""
 
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
 import msgspec
+
+if TYPE_CHECKING:  # the client face imports this module: no engine internals at run time
+    from engine.llm_engine import LLMEngine
 
 
 class EngineStats(msgspec.Struct, frozen=True):
@@ -27,6 +33,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     kv_offload_bytes: int = 0
     kv_reload_bytes: int = 0
     kv_reload_seconds: float = 0.0  # device time of the completed host → device copies
+    # speculative decoding (vLLM's names; all 0 when off): verifies, drafted tokens, accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -42,3 +52,34 @@ class EngineStats(msgspec.Struct, frozen=True):
     @property
     def num_tokens_computed(self) -> int:
         return self.num_prefill_tokens_computed + self.num_decode_tokens_computed
+
+
+def snapshot(engine: "LLMEngine") -> EngineStats:
+    """``engine``'s counters and gauges now."""
+    kv, scheduler = engine.kv, engine.scheduler
+    pool = kv.pool
+    extra: dict = {}
+    host, moved = kv.host, engine.kv_transfer
+    if host is not None and moved is not None:
+        extra = {"host_kv_blocks_total": host.num_slots, "host_cache_hits": kv.host_hits,
+                 "host_kv_blocks_used": host.num_slots - len(host.free), **moved.counters()}
+    if engine.speculator is not None:
+        extra.update({f"spec_decode_{name}": value
+                      for name, value in asdict(engine.speculator.counters).items()})
+    return EngineStats(
+        num_requests_running=len({s.request_id for s in scheduler.running}),
+        num_requests_waiting=len({s.request_id for s in scheduler.waiting}),
+        num_blocks_total=pool.num_blocks,
+        num_blocks_used=pool.num_used,
+        num_blocks_free=pool.num_free,
+        block_size=engine.config.block_size,
+        prefix_cache_queries=kv.prefix_queries,
+        prefix_cache_hits=kv.prefix_hits,
+        num_pinned_sessions=len(kv.pinned_sessions()),
+        num_pinned_blocks=kv.num_pinned_blocks,
+        num_preemptions=scheduler.num_preemptions,
+        num_prefill_tokens_computed=engine.num_prefill_tokens,
+        num_decode_tokens_computed=engine.num_decode_tokens,
+        num_tokens_stored=kv.stored_tokens(scheduler.running),
+        **extra,
+    )

@@ -21,13 +21,17 @@ class StepSampler:
         self.eos_token_ids = eos_token_ids
         self.draw_graphs = DrawGraphs(draw_graphs) if draw_graphs else None
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor, masks: GrammarMasks | None
-               ) -> tuple[list[int], list[TokenLogprob | None]]:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, masks: GrammarMasks | None,
+               ahead: list[int] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
         """Each row's token (row ``i`` of ``logits`` is ``seqs[i]``'s), read, with its
-        logprobs where its params ask for them; under ``masks`` (waited for) if any."""
+        logprobs where its params ask for them; under ``masks`` (waited for) if any.
+        ``ahead[i]``: row ``i`` draws as if ``seqs[i]``'s first ``ahead[i]`` drafts had been
+        appended (the noise key of that output position, penalties over them too): a
+        speculative sequence's rows (``engine.speculative``)."""
         params = [s.params for s in seqs]
-        return sample(logits, params, [self._key(s) for s in seqs],
-                      choose_from=self._shaped(logits, seqs, masks))
+        ahead = ahead or [0] * len(seqs)
+        return sample(logits, params, [self._key(s, a) for s, a in zip(seqs, ahead, strict=True)],
+                      choose_from=self._shaped(logits, seqs, masks, ahead))
 
     def draw(self, seqs: list[Sequence], logits: torch.Tensor, masks: GrammarMasks | None,
              graph_size: int | None) -> torch.Tensor:
@@ -41,17 +45,21 @@ class StepSampler:
             return graphs.draw(graph_size, params, keys, masks)
         return draw(self._shaped(logits, seqs, masks), params, keys)
 
-    def _shaped(self, logits: torch.Tensor, seqs: list[Sequence],
-                masks: GrammarMasks | None) -> torch.Tensor:
-        """The logits the rows choose from: penalties, then grammar masks (waited for)."""
+    def _shaped(self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None,
+                ahead: list[int] | None = None) -> torch.Tensor:
+        """The logits the rows choose from: penalties (over ``ahead`` drafts too, see
+        :meth:`sample`), then grammar masks (waited for)."""
         params = [s.params for s in seqs]
         if masks is None and not any(p.shapes_logits for p in params):
             return logits
-        histories = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids)
-                     if s.params.shapes_logits else ([], []) for s in seqs]
+        ahead = ahead or [0] * len(seqs)
+        histories = [(s.token_ids[:s.num_prompt_tokens],
+                      s.output_token_ids + s.draft_token_ids[:a])
+                     if s.params.shapes_logits else ([], [])
+                     for s, a in zip(seqs, ahead, strict=True)]
         return shaped(logits, params, histories, self.eos_token_ids, Grammars.constraint(masks))
 
     @staticmethod
-    def _key(seq: Sequence) -> int | None:
-        return (draw_key(seq.seed, seq.num_tokens - seq.num_prompt_tokens)
+    def _key(seq: Sequence, ahead: int = 0) -> int | None:
+        return (draw_key(seq.seed, seq.num_tokens - seq.num_prompt_tokens + ahead)
                 if seq.seed is not None else None)

@@ -164,3 +164,12 @@ def test_kv_cache_dtype_scores_both_caches_along_one_path(tmp_path, tiny_model, 
     assert runs["fp8"]["num_blocks"] >= 2 * runs["auto"]["num_blocks"]
     assert runs["auto"]["fp32_steps"] == runs["fp8"]["fp32_steps"] == 8
     assert all(0 <= run["fp32_argmax"] <= 1 for run in runs.values())
+
+
+def test_spec_decode_quick(tmp_path, tiny_model, capsys):
+    argv = ["--quick", "--model", tiny_model, "--quantization", "none", "--out", str(tmp_path),
+            "--workloads", "edit,prose,batch,lossless", "--verify-model", tiny_model]
+    assert _load("spec_decode").main(argv) == 0
+    _check(tmp_path, "spec_decode_quick", capsys, "decode ratio", "lossless:", "verify K=8")
+    raw = json.loads((tmp_path / "spec_decode_quick.json").read_text())
+    assert raw["lossless"]["mismatches"] == []  # float32 on the CPU: token for token
