@@ -31,10 +31,10 @@ from starlette.types import Scope
 
 from chatgate import completions_api, openai_api, sessions_api
 from chatgate.errors import APIError, api_error_handler
+from chatgate.front_end import FrontEnd
 from chatgate.metrics import Metrics
 from chatgate.middleware import RequestGuard
 from chatgate.replica import ReplicaHeader
-from chatgate.server import FrontEnd
 from chatgate.service import Gateway
 from chatgate.sessions import SessionStore, is_store_error, make_store
 from chatgate.settings import Settings

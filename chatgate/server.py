@@ -27,31 +27,20 @@ import socket
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from chatgate.front_end import FrontEnd
 from chatgate.settings import Settings
 from chatgate.shared_store import serve_store
 from engine.client import configure_logging, logging_config
-from engine.launch import EngineLink, engine_command, ipc_links
+from engine.launch import engine_command, ipc_links
 from engine.logs import child_environment
 
 log = logging.getLogger("chatgate")
 
 STOP_TIMEOUT_S = 30.0  # for the front-ends, then for the engine, before they are killed
 ENGINE_STOP_S = 5.0  # for the engine once the front-ends are gone, before its pipe closes
-
-
-@dataclass(frozen=True)
-class FrontEnd:
-    """One of ``count`` front-end processes sharing the engine reached through ``link``."""
-
-    index: int
-    count: int
-    link: EngineLink
-    store_address: str | None = None  # the supervisor's in-process store (no Redis)
-    store_authkey: bytes = b""
 
 
 def serve(settings: Settings) -> int:
