@@ -421,6 +421,30 @@ constexpr const char* kIntegerDots = "";
 constexpr int64_t kGroup = 32;
 constexpr int64_t kPair = 2 * kGroup;  // the weights pack two groups in 32 bytes
 
+#if defined(CHATGATE_VNNI)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const BF16* x) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// One group of 32 as quantize_rows' loop computes it, the same bits: the maximum is exact in
+// any order, and the conversion rounds to nearest even as std::nearbyint does.
+template <typename X>
+inline void quantize_group(const X* src, int8_t* dst, float* d, float* sum) {
+  const __m512 a = load16(src), b = load16(src + 16);
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float step = top / 127.0f;
+  const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qb));
+  *d = step;
+  *sum = step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+}
+#endif
+
 // x [rows, k] as int8 codes per group of 32 with the group's step d and d * sum(codes).
 template <typename X>
 void quantize_rows(const X* x, int64_t x_row, int64_t rows, int64_t k, int8_t* q, float* d,
@@ -429,6 +453,9 @@ void quantize_rows(const X* x, int64_t x_row, int64_t rows, int64_t k, int8_t* q
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       const X* src = x + m * x_row + g * kGroup;
+#if defined(CHATGATE_VNNI)
+      quantize_group(src, q + (m * groups + g) * kGroup, d + m * groups + g, sums + m * groups + g);
+#else
       float top = 0.0f;
       for (int64_t j = 0; j < kGroup; ++j) top = std::max(top, std::fabs(to_float(src[j])));
       const float step = top / 127.0f;
@@ -441,6 +468,7 @@ void quantize_rows(const X* x, int64_t x_row, int64_t rows, int64_t k, int8_t* q
       }
       d[m * groups + g] = step;
       sums[m * groups + g] = step * static_cast<float>(total);
+#endif
     }
   }
 }
@@ -884,17 +912,127 @@ constexpr bool kUnsignedBias = false;
 constexpr bool kUnsignedBias = true;
 #endif
 
+#if defined(CHATGATE_VNNI)
+// With AVX512-VNNI, int8 weights of n % 16 == 0 rows are blocked by 16 output rows (int8_pack):
+// one 32-bit lane per output row, so a group's products sum within lanes (no horizontal sums)
+// and one register of weights serves every activation row of the tile. Block b, inputs 4c..4c+3
+// (quad c): 64 bytes at (b * k / 4 + c) * 64, row j's four codes at byte 4j.
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRowsTile = 8;  // activation rows per pass over a block
+inline bool int8_blocked(int64_t n) { return n % kLanes == 0; }
+
+inline int32_t load_quad(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return v;
+}
+
+// Activation rows [R] times one block of 16 weight rows: per group, the integer dot products
+// of its 8 quads, then acc += dot * step (the row's group step d). Each row's arithmetic is the
+// same for every R. ``ahead``: the next block's weights, prefetched group by group (or null).
+template <int R>
+inline void int8_block_rows(const uint8_t* w, int64_t groups, const int8_t* q, int64_t q_row,
+                            const float* d, int64_t d_row, const uint8_t* ahead, __m512* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * kGroup * kLanes;
+    if (ahead != nullptr) {
+      for (int64_t b = 0; b < kGroup * kLanes; b += 64) __builtin_prefetch(ahead + g * kGroup * kLanes + b);
+    }
+    __m512i dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < kGroup / 4; ++c) {
+      const __m512i wv = _mm512_loadu_si512(wg + c * 64);
+      for (int r = 0; r < R; ++r) {
+        dots[r] = _mm512_dpbusd_epi32(
+            dots[r], wv, _mm512_set1_epi32(load_quad(q + r * q_row + g * kGroup + c * 4)));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_set1_ps(d[r * d_row + g]),
+                               acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+template <typename O>
+void int8_blocked_kernel(const QuantizedRows& act, const std::vector<float>& bias,
+                         const at::Tensor& codes, const at::Tensor& row_scales, at::Tensor& out) {
+  const int64_t rows = out.size(0), n = codes.size(0), k = codes.size(1), groups = k / kGroup;
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* scale = row_scales.data_ptr<float>();
+  O* o = out.data_ptr<O>();
+  const int64_t o_row = out.stride(0), block_bytes = kLanes * k, blocks = n / kLanes;
+  at::parallel_for(0, blocks, 4, [&](int64_t lo, int64_t hi) {
+    __m512 result[kRowsTile];
+    alignas(64) float lanes[kLanes];
+    for (int64_t b = lo; b < hi; ++b) {
+      const uint8_t* w = c + b * block_bytes;
+      const __m512 s = _mm512_loadu_ps(scale + b * kLanes);
+      for (int64_t m = 0; m < rows;) {
+        const int64_t left = rows - m;
+        const int tile = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const uint8_t* ahead = m == 0 && b + 1 < hi ? w + block_bytes : nullptr;
+        const int8_t* qm = act.q.data() + m * k;
+        const float* dm = act.d.data() + m * groups;
+        switch (tile) {
+          case 8: int8_block_rows<8>(w, groups, qm, k, dm, groups, ahead, result); break;
+          case 4: int8_block_rows<4>(w, groups, qm, k, dm, groups, ahead, result); break;
+          case 2: int8_block_rows<2>(w, groups, qm, k, dm, groups, ahead, result); break;
+          default: int8_block_rows<1>(w, groups, qm, k, dm, groups, ahead, result); break;
+        }
+        for (int r = 0; r < tile; ++r) {
+          _mm512_store_ps(lanes, _mm512_mul_ps(
+                                     s, _mm512_sub_ps(result[r], _mm512_set1_ps(bias[m + r]))));
+          O* dst = o + (m + r) * o_row + b * kLanes;
+          for (int64_t j = 0; j < kLanes; ++j) dst[j] = from_float<O>(lanes[j]);
+        }
+        m += tile;
+      }
+    }
+  });
+}
+#else
+inline bool int8_blocked(int64_t) { return false; }
+#endif
+
+// ``codes [n, k]`` (uint8, w + 128) as int8_linear takes them: with AVX512-VNNI and n % 16 == 0
+// blocked by 16 rows (see above; same shape), else unchanged. int8_unpack undoes it.
+at::Tensor int8_pack(const at::Tensor& codes) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.size(1) % 4 == 0,
+              "codes must be uint8 [n, k] with k a multiple of 4");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  if (!int8_blocked(n)) return codes.contiguous();
+  return codes.view({n / 16, 16, k / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({n, k});
+}
+
+at::Tensor int8_unpack(const at::Tensor& packed) {
+  const int64_t n = packed.size(0), k = packed.size(1);
+  if (!int8_blocked(n)) return packed;
+  return packed.view({n / 16, k / 4, 16, 4}).permute({0, 2, 1, 3}).contiguous().view({n, k});
+}
+
 template <typename O>
 void int8_linear_kernel(const at::Tensor& x, const at::Tensor& codes,
                         const at::Tensor& row_scales, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / kGroup;
   const QuantizedRows act(x);
-  std::vector<float> steps(rows * groups * 8);
   std::vector<float> bias(rows, 0.0f);  // 128 * sum(x): what unsigned weights add
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < groups && kUnsignedBias; ++g) bias[m] += 128.0f * act.sums[m * groups + g];
+  }
+#if defined(CHATGATE_VNNI)
+  if (int8_blocked(n)) {
+    int8_blocked_kernel<O>(act, bias, codes, row_scales, out);
+    return;
+  }
+#endif
+  std::vector<float> steps(rows * groups * 8);
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       std::fill_n(&steps[(m * groups / 2 + g / 2) * 16 + (g % 2) * 8], 8, act.d[m * groups + g]);
-      if (kUnsignedBias) bias[m] += 128.0f * act.sums[m * groups + g];
     }
   }
   const uint8_t* c = codes.data_ptr<uint8_t>();
@@ -1032,6 +1170,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear);
   m.def("int4_pack", &int4_pack);
   m.def("int8_linear", &int8_linear);
+  m.def("int8_pack", &int8_pack);
+  m.def("int8_unpack", &int8_unpack);
   m.attr("integer_dots") = kIntegerDots;
   pybind11::class_<DecoderStack>(m, "DecoderStack")
       .def(pybind11::init<const std::vector<std::vector<std::optional<at::Tensor>>>&, int64_t,

@@ -74,7 +74,7 @@ class Int8Linear:
         self.bias = bias
         self.fused = _fused_kernels(w.shape[1])
         if self.fused is not None:  # the fused kernel's form (only): unsigned codes w + 128
-            self.codes = (weight.to(torch.int16) + 128).to(torch.uint8)
+            self.codes = self.fused.int8_pack((weight.to(torch.int16) + 128).to(torch.uint8))
             self.row_scales = scales.to(torch.float32)
         else:
             self._weight = weight
@@ -85,7 +85,7 @@ class Int8Linear:
         is not held twice)."""
         if self.fused is None:
             return self._weight
-        return (self.codes.to(torch.int16) - 128).to(torch.int8)
+        return (self.fused.int8_unpack(self.codes).to(torch.int16) - 128).to(torch.int8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:

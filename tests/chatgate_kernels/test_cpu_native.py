@@ -128,15 +128,18 @@ def test_int4_linear_is_the_q4_1_by_q8_product(n: int, rows: int) -> None:
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
 
 
-def test_int8_linear_is_the_int8_by_q8_product() -> None:
+@pytest.mark.parametrize("n", [320, 300])  # with AVX512-VNNI: blocks of 16 rows, and rows
+@pytest.mark.parametrize("rows", [1, 2, 15, 32])
+def test_int8_linear_is_the_int8_by_q8_product(n: int, rows: int) -> None:
     gen = torch.Generator().manual_seed(17)
-    weight = torch.randint(-127, 128, (300, 128), generator=gen, dtype=torch.int8)
-    row_scales, x = torch.rand(300, generator=gen), torch.randn(2, 128, generator=gen) * 5
+    weight = torch.randint(-127, 128, (n, 128), generator=gen, dtype=torch.int8)
+    row_scales, x = torch.rand(n, generator=gen), torch.randn(rows, 128, generator=gen) * 5
     q, step = _quantized_rows(x)
-    dots = torch.einsum("ngj,mgj->mng", weight.view(300, 4, 32).double(), q.double())
+    dots = torch.einsum("ngj,mgj->mng", weight.view(n, 4, 32).double(), q.double())
     want = (dots * step.double()[:, None]).sum(-1) * row_scales.double()
-    out = torch.empty(2, 300, dtype=torch.bfloat16)
-    codes = (weight.to(torch.int16) + 128).to(torch.uint8)
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    codes = native().int8_pack((weight.to(torch.int16) + 128).to(torch.uint8))
+    assert torch.equal(native().int8_unpack(codes), (weight.to(torch.int16) + 128).to(torch.uint8))
     native().int8_linear(x, codes, row_scales, out)
     torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)
 
