@@ -104,6 +104,116 @@ struct Item {
 constexpr int64_t kChunk = 16;  // query tokens per work item (extend rows)
 constexpr int64_t kKeysAhead = 8;  // keys (and values) prefetched ahead through the table
 
+#if defined(__AVX512F__)
+// exp8's polynomial over 16 floats.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i two_n = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
+}
+
+inline __m512 load16f(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16f(const BF16* x) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// One decode token's heads against one KV head's cache, for a head_dim of 16 * V: the keys
+// ``n`` of the sequence visited block by block through ``table`` (no division per key, the
+// next block's rows prefetched), float32 scores and softmax, then each head's values in
+// registers. ``q``: ``heads`` rows of 16 * V floats; ``cache_row``: the elements between two
+// slots' rows; ``head``: this KV head's offset in a slot's row. Writes ``out`` (heads rows).
+template <typename C, int V>
+void decode_heads(const float* q, int64_t heads, const C* kc, const C* vc, const int32_t* table,
+                  int64_t block_size, int64_t cache_row, int64_t head, int64_t n, float scale,
+                  float* scores, float* out) {
+  constexpr int64_t dim = 16 * V, lines = dim * sizeof(C) / 64;
+  for (int64_t b = 0, p = 0; p < n; ++b) {
+    const int64_t base = static_cast<int64_t>(table[b]) * block_size;
+    const int64_t end = std::min(n, p + block_size);
+    if (end < n) {
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * block_size;
+      for (int64_t j = 0; j < std::min(block_size, n - end); ++j) {
+        for (int64_t l = 0; l < lines; ++l) {
+          __builtin_prefetch(kc + (next + j) * cache_row + head + l * 64 / sizeof(C));
+          __builtin_prefetch(vc + (next + j) * cache_row + head + l * 64 / sizeof(C));
+        }
+      }
+    }
+    for (int64_t slot = base; p < end; ++p, ++slot) {
+      const C* k = kc + slot * cache_row + head;
+      __m512 kv[V];
+      for (int c = 0; c < V; ++c) kv[c] = load16f(k + 16 * c);
+      for (int64_t r = 0; r < heads; ++r) {
+        const float* x = q + r * dim;
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(x), kv[0]);
+        for (int c = 1; c < V; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * c), kv[c], s);
+        scores[r * n + p] = _mm512_reduce_add_ps(s) * scale;
+      }
+    }
+  }
+  for (int64_t r = 0; r < heads; ++r) {
+    float* row = scores + r * n;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t p = 0; p < n; p += 16) {
+      const __mmask16 m = n - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - p)) - 1);
+      top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + p));
+    }
+    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t p = 0; p < n; p += 16) {
+      const __mmask16 m = n - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - p)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + p), peak));
+      _mm512_mask_storeu_ps(row + p, m, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+    }
+    __m512 acc[V];
+    for (int c = 0; c < V; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t b = 0, p = 0; p < n; ++b) {
+      const int64_t end = std::min(n, p + block_size);
+      for (int64_t slot = static_cast<int64_t>(table[b]) * block_size; p < end; ++p, ++slot) {
+        const C* v = vc + slot * cache_row + head;
+        const __m512 w = _mm512_set1_ps(row[p]);
+        for (int c = 0; c < V; ++c) acc[c] = _mm512_fmadd_ps(w, load16f(v + 16 * c), acc[c]);
+      }
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + r * dim + 16 * c, _mm512_mul_ps(acc[c], inv));
+  }
+}
+#endif
+
+// decode_heads where it runs (AVX-512, a single query token, head_dim 64 or 128): true if it
+// wrote ``out``.
+template <typename C>
+inline bool decode_fast(bool single, const float* q, int64_t heads, const C* kc, const C* vc,
+                        const int32_t* table, int64_t block_size, int64_t cache_row, int64_t head,
+                        int64_t n, int64_t dim, float scale, float* scores, float* out) {
+#if defined(__AVX512F__)
+  if (single && dim == 64) {
+    decode_heads<C, 4>(q, heads, kc, vc, table, block_size, cache_row, head, n, scale, scores, out);
+    return true;
+  }
+  if (single && dim == 128) {
+    decode_heads<C, 8>(q, heads, kc, vc, table, block_size, cache_row, head, n, scale, scores, out);
+    return true;
+  }
+#endif
+  return false;
+}
+
 template <typename Q, typename C, typename O>
 void attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
                       const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -149,55 +259,58 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
         const Q* src = q + token * q_row + (it.kv_head * group + r % group) * q_head;
         for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] = to_float(src[d]);
       }
-      auto slot_of = [&](int64_t p) {
-        return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
-      };
-      for (int64_t p = 0; p < longest; ++p) {
-        if (p + kKeysAhead < longest) {
-          const int64_t ahead = (slot_of(p + kKeysAhead) * kv_heads + it.kv_head) * dim;
-          for (int64_t b = 0; b < dim; b += 64 / static_cast<int64_t>(sizeof(C))) {
-            __builtin_prefetch(kc + ahead + b);
-            __builtin_prefetch(vc + ahead + b);
+      if (!decode_fast(rows == group, qf.data(), rows, kc, vc, table, block_size, kv_heads * dim,
+                       it.kv_head * dim, longest, dim, scale, scores.data(), acc.data())) {
+        auto slot_of = [&](int64_t p) {
+          return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+        };
+        for (int64_t p = 0; p < longest; ++p) {
+          if (p + kKeysAhead < longest) {
+            const int64_t ahead = (slot_of(p + kKeysAhead) * kv_heads + it.kv_head) * dim;
+            for (int64_t b = 0; b < dim; b += 64 / static_cast<int64_t>(sizeof(C))) {
+              __builtin_prefetch(kc + ahead + b);
+              __builtin_prefetch(vc + ahead + b);
+            }
+          }
+          const int64_t slot = slot_of(p);
+          const C* k = kc + (slot * kv_heads + it.kv_head) * dim;
+          // rows of token j see keys 0..first + j: skip the tokens that come before p
+          const int64_t from = std::max<int64_t>(0, p - first - it.begin) * group;
+          for (int64_t r = from; r < rows; ++r) {
+            const float* x = &qf[r * dim];
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; ++d) dot += x[d] * to_float(k[d]);
+            scores[r * longest + p] = dot * scale;
           }
         }
-        const int64_t slot = slot_of(p);
-        const C* k = kc + (slot * kv_heads + it.kv_head) * dim;
-        // rows of token j see keys 0..first + j: skip the tokens that come before p
-        const int64_t from = std::max<int64_t>(0, p - first - it.begin) * group;
-        for (int64_t r = from; r < rows; ++r) {
-          const float* x = &qf[r * dim];
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += x[d] * to_float(k[d]);
-          scores[r * longest + p] = dot * scale;
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = first + it.begin + r / group + 1;
-        float* row = &scores[r * longest];
-        float top = -INFINITY;
-        for (int64_t p = 0; p < n; ++p) top = std::max(top, row[p]);
-        int64_t p = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t n = first + it.begin + r / group + 1;
+          float* row = &scores[r * longest];
+          float top = -INFINITY;
+          for (int64_t p = 0; p < n; ++p) top = std::max(top, row[p]);
+          int64_t p = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-        for (; p + 8 <= n; p += 8) {
-          _mm256_storeu_ps(row + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + p),
-                                                       _mm256_set1_ps(top))));
-        }
+          for (; p + 8 <= n; p += 8) {
+            _mm256_storeu_ps(row + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + p),
+                                                         _mm256_set1_ps(top))));
+          }
 #endif
-        for (; p < n; ++p) row[p] = std::exp(row[p] - top);
-        float sum = 0.0f;
-        for (p = 0; p < n; ++p) sum += row[p];
-        const float inv = 1.0f / sum;
-        for (int64_t p = 0; p < n; ++p) row[p] *= inv;
-      }
-      for (int64_t p = 0; p < longest; ++p) {
-        const C* v = vc + (slot_of(p) * kv_heads + it.kv_head) * dim;
-        const int64_t from = std::max<int64_t>(0, p - first - it.begin) * group;
-        for (int64_t r = from; r < rows; ++r) {
-          const float w = scores[r * longest + p];
-          float* a = &acc[r * dim];
+          for (; p < n; ++p) row[p] = std::exp(row[p] - top);
+          float sum = 0.0f;
+          for (p = 0; p < n; ++p) sum += row[p];
+          const float inv = 1.0f / sum;
+          for (int64_t p = 0; p < n; ++p) row[p] *= inv;
+        }
+        for (int64_t p = 0; p < longest; ++p) {
+          const C* v = vc + (slot_of(p) * kv_heads + it.kv_head) * dim;
+          const int64_t from = std::max<int64_t>(0, p - first - it.begin) * group;
+          for (int64_t r = from; r < rows; ++r) {
+            const float w = scores[r * longest + p];
+            float* a = &acc[r * dim];
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += w * to_float(v[d]);
+            for (int64_t d = 0; d < dim; ++d) a[d] += w * to_float(v[d]);
+          }
         }
       }
       for (int64_t r = 0; r < rows; ++r) {

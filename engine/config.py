@@ -106,7 +106,8 @@ class EngineConfig:
     num_kv_blocks: int | None = _flag(None, "explicit KV-cache size in blocks (overrides "
                                             "memory sizing)")
     kv_cache_bytes: int | None = _flag(None, "KV-cache byte budget (CPU sizing)")
-    kv_cache_dtype: str = _flag("auto", "KV cache element type: auto (the model's dtype) or "
+    kv_cache_dtype: str = _flag("auto", "KV cache element type: auto (the model's dtype; "
+                                        "bfloat16 under the CPU's int8/int4 layers) or "
                                         "fp8 (e4m3 with per-layer scales: twice the blocks in "
                                         "the same memory)", KV_CACHE_DTYPES)
     gpu_memory_utilization: float = _flag(0.9, "fraction of GPU memory for weights, "

@@ -20,7 +20,10 @@ from engine.tensor_parallel import TensorParallel
 class QuantizedCpuModel(LlamaModel):
     """``native``: the compiled ``cpu_native`` module. ``decoder_stack``: the fused
     ``DecoderStack`` over every layer, or None where some product or the KV cache's dtype is
-    not the fused kernels' (the op-by-op layers run)."""
+    not the fused kernels' (the op-by-op layers run). The KV cache is bfloat16 unless
+    ``kv_cache_dtype`` says otherwise: the quantized products compute q, k and v in bfloat16,
+    so a float32 cache would hold values only its rotated keys use the precision of, at twice
+    the bytes a decode step's attention reads."""
 
     def __init__(self, native: ModuleType, config: PretrainedConfig,
                  weights: dict[str, torch.Tensor], max_positions: int, quantization: str,
@@ -28,7 +31,8 @@ class QuantizedCpuModel(LlamaModel):
                  kv_cache_dtype: torch.dtype | None = None) -> None:
         self.native = native
         super().__init__(config, weights, max_positions, vocab_limit=vocab_limit,
-                         quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+                         quantization=quantization,
+                         kv_cache_dtype=kv_cache_dtype or torch.bfloat16)
         self.decoder_stack = self._decoder_stack()
 
     def _decoder_stack(self):  # noqa: ANN202 - the compiled DecoderStack or None

@@ -47,13 +47,14 @@ def build_runner(config: EngineConfig, tp: TensorParallel | None = None,
         loaded.state_dict = {}
     if tp is not None and loaded.shard is None:
         weights = Shard(tp.rank, tp.world_size).weights(weights, loaded.config)
-    cache_dtype = kv_cache_dtype(config, weights["model.embed_tokens.weight"].dtype)
     model = build_model(loaded.config, weights, max_model_len, vocab_limit=loaded.vocab_limit,
-                        quantization=config.quantization, tp=tp, kv_cache_dtype=cache_dtype)
+                        quantization=config.quantization, tp=tp,
+                        kv_cache_dtype=kv_cache_dtype(config))
     del weights  # what the model did not keep goes now
     return ModelRunner(model, config, max_model_len, tp)
 
 
-def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype: FP8 for ``kv_cache_dtype="fp8"``, else the model's."""
-    return FP8 if config.kv_cache_dtype.startswith("fp8") else model_dtype
+def kv_cache_dtype(config: EngineConfig) -> torch.dtype | None:
+    """The KV cache's dtype: FP8 for ``kv_cache_dtype="fp8"``, else None (``auto``: the model
+    picks, see ``LlamaModel`` and ``QuantizedCpuModel``)."""
+    return FP8 if config.kv_cache_dtype.startswith("fp8") else None

@@ -99,7 +99,7 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     num_rows = logits.shape[0]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(rows) < num_rows:
-        tokens = logits.argmax(dim=-1)
+        tokens = row_argmax(logits)
     else:
         tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
     if rows:
@@ -118,6 +118,13 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
             probs.masked_fill_(probs < threshold, 0.0)
         tokens.index_copy_(0, index, _exponential_race(probs, [keys[i] for i in rows]))
     return tokens
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)``: the first index of each row's maximum. On the CPU through
+    ``max(dim=-1)`` (the same indices, ties to the first), which torch vectorises: a third of
+    argmax's time over a 32-row, 49,152-entry step."""
+    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
 
 
 def plain(params: SamplingParams) -> bool:
@@ -140,11 +147,11 @@ def draw_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tens
     if constrain is not None:
         constrain(x)
     if greedy_only:
-        return x.argmax(dim=-1)
+        return row_argmax(x)
     greedy = temperature == 0
     probs = torch.softmax(x / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
-    race = (probs / exponential_noise(keys, x.shape[1])).argmax(dim=-1)
-    return torch.where(greedy, x.argmax(dim=-1), race)
+    race = row_argmax(probs / exponential_noise(keys, x.shape[1]))
+    return torch.where(greedy, row_argmax(x), race)
 
 
 def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -295,8 +302,8 @@ def _exponential_race(probs: torch.Tensor, keys: list[int | None]) -> torch.Tens
         race = torch.zeros_like(probs)
         race[rows, columns] = probs[rows, columns] / exponential_noise_at(keys_tensor[rows],
                                                                           columns)
-        return race.argmax(dim=-1)
-    return (probs / exponential_noise(keys_tensor, probs.shape[1])).argmax(dim=-1)
+        return row_argmax(race)
+    return row_argmax(probs / exponential_noise(keys_tensor, probs.shape[1]))
 
 
 def _with_logprobs(
