@@ -96,6 +96,14 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
 }
 
+// The elementwise kernels (rotary, add + RMSNorm, SiLU·mul) split their tokens over threads
+// in chunks of this many: a decode step's few microseconds of them run on the calling thread,
+// without a fork and join (which waits for a thread another process holds, on a shared CPU).
+constexpr int64_t kInlineTokens = 64;
+// Attention of fewer (query row, key) pairs than this (a one-row decode step's) runs on the
+// calling thread, for the same reason.
+constexpr int64_t kParallelPairs = 4096;
+
 // One unit of attention work: query tokens [begin, end) of one sequence against one KV head.
 struct Item {
   int64_t seq, kv_head, begin, end;
@@ -243,7 +251,12 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       }
     }
   }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+  int64_t work = 0;  // (query row, key) pairs
+  for (const Item& it : items) {
+    work += (it.end - it.begin) * group * (lens[it.seq] - (starts[it.seq + 1] - starts[it.seq]) + it.end);
+  }
+  const int64_t count = static_cast<int64_t>(items.size());
+  at::parallel_for(0, count, work < kParallelPairs ? count + 1 : 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf, scores, acc;
     for (int64_t i = lo; i < hi; ++i) {
       const Item& it = items[i];
@@ -377,7 +390,7 @@ void rotary_cache_kernel(at::Tensor& query, const at::Tensor& key, const at::Ten
   const int64_t k_row = key.stride(0), k_head = key.stride(1);
   const int64_t v_row = value.stride(0), v_head = value.stride(1);
   const int64_t c_row = cos.stride(0), s_row = sin.stride(0);
-  at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, tokens, kInlineTokens, [&](int64_t lo, int64_t hi) {
     std::vector<float> y(dim);
     for (int64_t t = lo; t < hi; ++t) {
       const T* ct = c + t * c_row;
@@ -435,7 +448,7 @@ void add_rms_norm_kernel(const at::Tensor& x, at::Tensor& residual, const at::Te
   const float* w = weight.data_ptr<float>();
   O* o = out.data_ptr<O>();
   const int64_t x_row = x.stride(0), r_row = residual.stride(0), o_row = out.stride(0);
-  at::parallel_for(0, tokens, 8, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, tokens, kInlineTokens, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       float* r = res + t * r_row;
       const X* a = xs + t * x_row;
@@ -474,7 +487,7 @@ void silu_and_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
   const X* g = gate_up.data_ptr<X>();
   O* o = out.data_ptr<O>();
   const int64_t g_row = gate_up.stride(0), o_row = out.stride(0);
-  at::parallel_for(0, tokens, 8, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, tokens, kInlineTokens, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const X* gate = g + t * g_row;
       const X* up = gate + width;
@@ -1032,6 +1045,10 @@ constexpr bool kUnsignedBias = true;
 // (quad c): 64 bytes at (b * k / 4 + c) * 64, row j's four codes at byte 4j.
 constexpr int64_t kLanes = 16;
 constexpr int64_t kRowsTile = 8;  // activation rows per pass over a block
+// A product of fewer weights than this (counting each 8 activation rows as one more pass) runs
+// on the calling thread: at one or two rows, streaming half a megabyte takes about as long as
+// waking a second thread.
+constexpr int64_t kParallelWeights = 1 << 19;
 inline bool int8_blocked(int64_t n) { return n % kLanes == 0; }
 
 inline int32_t load_quad(const int8_t* q) {
@@ -1078,7 +1095,8 @@ void int8_blocked_kernel(const QuantizedRows& act, const std::vector<float>& bia
   const float* scale = row_scales.data_ptr<float>();
   O* o = out.data_ptr<O>();
   const int64_t o_row = out.stride(0), block_bytes = kLanes * k, blocks = n / kLanes;
-  at::parallel_for(0, blocks, 4, [&](int64_t lo, int64_t hi) {
+  const bool small = n * k * (8 + rows) / 8 < kParallelWeights;
+  at::parallel_for(0, blocks, small ? blocks + 1 : 4, [&](int64_t lo, int64_t hi) {
     __m512 result[kRowsTile];
     alignas(64) float lanes[kLanes];
     for (int64_t b = lo; b < hi; ++b) {
