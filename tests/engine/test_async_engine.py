@@ -188,6 +188,15 @@ async def test_a_killed_engine_fails_open_streams_at_once_and_later_calls() -> N
     await engine.shutdown()
 
 
+async def test_the_engine_process_runs_openmp_threads_that_sleep_at_barriers(
+        engine: AsyncEngine) -> None:
+    """OMP_WAIT_POLICY=PASSIVE in the engine process unless the caller's environment sets a
+    policy (spinning threads starve each other on a CPU the gateway shares)."""
+    with open(f"/proc/{engine.pid}/environ", "rb") as f:
+        environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    assert environ[b"OMP_WAIT_POLICY"] == os.environb.get(b"OMP_WAIT_POLICY", b"PASSIVE")
+
+
 async def test_shutdown_stops_the_engine_process() -> None:
     engine = AsyncEngine(CONFIG)
     await engine.start()
