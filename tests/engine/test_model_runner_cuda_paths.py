@@ -25,8 +25,9 @@ def test_padded_batch_size(n, expected):
 
 
 class _Seq:
-    def __init__(self, tokens, computed, table):
+    def __init__(self, tokens, computed, table, drafts=()):
         self.token_ids, self.num_computed_tokens, self.block_table = tokens, computed, table
+        self.draft_token_ids = list(drafts)
 
 
 def test_host_metadata_mixed_batch_matches_definition():
@@ -59,6 +60,20 @@ def test_host_metadata_pure_decode():
     assert host["positions"].tolist() == [39, 1]
     assert host["slot_mapping"].tolist() == [11 * 16 + 7, 2 * 16 + 1]
     assert host["max_query_len"] == 1
+    assert "num_drafts" not in host
+
+
+def test_host_metadata_speculative_rows_feed_the_drafts_after_the_last_token():
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size = 4
+    seqs = [_Seq([10, 11, 12, 13, 14], 4, [3, 6], drafts=[15, 16]),  # last token + 2 drafts
+            _Seq([20, 21, 22], 2, [5])]                               # plain decode
+    host = runner.host_metadata(ScheduledBatch(seqs=seqs, num_new_tokens=[3, 1]))
+    assert host["input_ids"].tolist() == [14, 15, 16, 22]
+    assert host["positions"].tolist() == [4, 5, 6, 2]
+    assert host["slot_mapping"].tolist() == [6 * 4 + 0, 6 * 4 + 1, 6 * 4 + 2, 5 * 4 + 2]
+    assert host["seq_lens"].tolist() == [7, 3]
+    assert host["num_drafts"].tolist() == [2, 0]
 
 
 def test_fused_forward_matches_unfused_and_shares_weights():
