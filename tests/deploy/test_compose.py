@@ -21,6 +21,11 @@ from scale_cluster import ChatSession, stored_messages, stream_turn
 HANG_GUARD_S = 240  # far above any turn here: a stream that never ends fails, not hangs
 
 
+def report(line: str) -> None:
+    """A figure the test measured, shown with ``pytest -s`` (the closing notes cite them)."""
+    print(f"\ndeploy: {line}", file=sys.stderr)
+
+
 def new_session(name: str) -> ChatSession:
     return ChatSession(f"deploy-{name}-{uuid.uuid4().hex[:8]}")
 
@@ -36,6 +41,8 @@ async def test_a_session_stays_on_one_replica_and_each_turn_reuses_the_last(stac
     for before, after in zip(results, results[1:], strict=False):
         assert after.cached_tokens >= before.prompt_tokens > 0  # the pinned turn, reused
     assert stored_messages(stack, session.id) == session.messages
+    report(f"3 turns on {session.replicas[0]}; prompt/cached tokens "
+           + ", ".join(f"{r.prompt_tokens}/{r.cached_tokens}" for r in results))
 
 
 async def test_json_schema_answers_parse_in_the_cpu_image(stack):
@@ -69,6 +76,8 @@ async def test_the_websocket_protocol_passes_haproxy_to_the_sessions_replica(sta
             assert event["type"] == "done" and text, event
             usage.append(event["usage"])
         assert usage[1]["cached_tokens"] >= usage[0]["prompt_tokens"]
+        report(f"WebSocket on {replica}: prompt/cached tokens "
+               + ", ".join(f"{u['prompt_tokens']}/{u['cached_tokens']}" for u in usage))
     r = httpx.get(f"{stack.url}/v1/sessions/{session_id}", timeout=30)
     assert r.status_code == 200 and r.headers["x-chatgate-replica"] == replica
     assert [m["role"] for m in r.json()["messages"]] == ["user", "assistant"] * 2
@@ -94,8 +103,8 @@ async def test_a_killed_replica_cuts_its_stream_and_the_session_goes_on_from_red
         assert await kill.wait() == 0
         cut = await asyncio.wait_for(live, HANG_GUARD_S)
         assert not cut.acknowledged and cut.error and cut.replica == victim
-        print(f"\ndeploy: the stream ended {cut.ended_at - killed_at:.2f} s after docker kill "
-              f"({cut.error})", file=sys.stderr)
+        report(f"the stream ended {cut.ended_at - killed_at:.2f} s after docker kill "
+               f"({cut.error})")
         # A request HAProxy sends the victim before marking it down (~1 s) may get no response
         # at all (docs/scale-out.md); what follows is read once it is down.
         while sum(state == "UP" for state in stack.server_states().values()) == up:
@@ -110,6 +119,8 @@ async def test_a_killed_replica_cuts_its_stream_and_the_session_goes_on_from_red
     # system prompt): the victim's pins died with it
     assert after.cached_tokens < first.prompt_tokens + first.completion_tokens
     assert stored_messages(stack, session.id) == session.messages
+    report(f"next turn on {after.replica} (victim {victim}): {after.prompt_tokens} prompt "
+           f"tokens, {after.cached_tokens} cached; {len(session.messages)} messages stored")
 
 
 def all_histories(stack) -> dict[str, list[dict[str, str]]]:
@@ -128,6 +139,8 @@ async def test_histories_survive_a_redis_restart(stack):
 
     stack.run("restart", "redis", timeout=120)
     assert all_histories(stack) == before
+    report(f"after the Redis restart: {len(before)} histories, "
+           f"{sum(map(len, before.values()))} messages, all equal")
 
     async with httpx.AsyncClient(timeout=HANG_GUARD_S) as client:
         turn = await stream_turn(client, stack.url, session, "Which colour?", 8)
@@ -136,7 +149,8 @@ async def test_histories_survive_a_redis_restart(stack):
 
 
 def test_compose_down_leaves_nothing_behind(stack):
-    assert stack.containers(all_states=True)
+    running = stack.containers(all_states=True)
+    assert running
     stack.down()
     assert stack.containers(all_states=True) == []
     label = f"label=com.docker.compose.project={stack.project}"
@@ -144,3 +158,4 @@ def test_compose_down_leaves_nothing_behind(stack):
         listed = subprocess.run(["docker", kind, "ls", "-q", "--filter", label],
                                 capture_output=True, text=True)
         assert listed.returncode == 0 and listed.stdout.split() == [], (kind, listed.stdout)
+    report(f"compose down: {len(running)} containers before, none after; no network or volume")
