@@ -23,6 +23,7 @@ from engine import (
     EngineStartupError,
     SamplingParams,
 )
+from engine.async_engine import engine_environment
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -188,13 +189,24 @@ async def test_a_killed_engine_fails_open_streams_at_once_and_later_calls() -> N
     await engine.shutdown()
 
 
-async def test_the_engine_process_runs_openmp_threads_that_sleep_at_barriers(
+async def test_the_engine_process_runs_openmp_threads_that_spin_briefly_then_sleep(
         engine: AsyncEngine) -> None:
-    """OMP_WAIT_POLICY=PASSIVE in the engine process unless the caller's environment sets a
-    policy (spinning threads starve each other on a CPU the gateway shares)."""
+    """GOMP_SPINCOUNT bounded and OMP_WAIT_POLICY=PASSIVE in the engine process, unless the
+    caller's environment sets either (spinning threads starve each other on a CPU the gateway
+    shares; threads that sleep at once make one stream wait for wake-ups)."""
     with open(f"/proc/{engine.pid}/environ", "rb") as f:
         environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    assert environ[b"OMP_WAIT_POLICY"] == os.environb.get(b"OMP_WAIT_POLICY", b"PASSIVE")
+    expected = {k.encode(): v.encode()
+                for k, v in engine_environment(os.environ).items()}
+    for name in (b"OMP_WAIT_POLICY", b"GOMP_SPINCOUNT"):
+        assert environ.get(name) == (expected.get(name) or os.environb.get(name))
+
+
+async def test_a_caller_that_sets_an_openmp_wait_variable_rules_alone() -> None:
+    assert engine_environment({}) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
+    assert engine_environment({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    assert engine_environment({"GOMP_SPINCOUNT": "0", "PATH": "/bin"}) == {}
+    assert engine_environment({"PATH": "/bin"})["GOMP_SPINCOUNT"] == "20000"
 
 
 async def test_shutdown_stops_the_engine_process() -> None:
