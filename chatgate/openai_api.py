@@ -192,6 +192,7 @@ async def chat_completions(request: Request) -> Response:
         final = await until_disconnect(request, asyncio.ensure_future(_collect(turn)))
     finally:
         turn.release()
+    await turn.released()
     result = completion.response(final, turn.stats.usage())
     if session_id:
         result["session_id"] = session_id
@@ -364,6 +365,7 @@ async def _sse_events(turn: Turn, completion: _Completion,
         yield b"data: " + json.dumps(e.body()).encode() + b"\n\n"
     finally:
         turn.release()
+    await turn.released()
     yield b"data: [DONE]\n\n"
 
 

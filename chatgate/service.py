@@ -120,11 +120,14 @@ class Gateway:
                 self._generating.discard(engine_session_id)
                 raise session_busy()
 
-    def unlock_session(self, engine_session_id: str) -> None:
+    def unlock_session(self, engine_session_id: str) -> asyncio.Future[bool] | None:
+        """Release the session's lock; with several front-ends, the future is done once the
+        engine has freed it for the others."""
         if engine_session_id in self._generating:
             self._generating.discard(engine_session_id)
             if self.engine.shared:
-                self.engine.unlock_session(engine_session_id)
+                return self.engine.unlock_session(engine_session_id)
+        return None
 
     def touch_session(self, engine_session_id: str) -> None:
         """Record a use of a session the engine pins (for the idle unpin)."""

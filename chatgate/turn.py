@@ -11,6 +11,7 @@ lock, exactly once. Every failure is an ``APIError``, so the handlers only encod
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -132,6 +133,7 @@ class Turn:
         self.params: SamplingParams | None = None
         self.stored: list[dict[str, Any]] | None = None  # the history this turn stored
         self._holds = False  # the tenant's stream slot and the session lock
+        self._unlocking: asyncio.Future[bool] | None = None  # the engine freeing the lock
 
     async def prepare(self, *, max_tokens: int | None, prompt_ids: list[int] | None = None,
                       **sampling: Any) -> None:
@@ -204,7 +206,15 @@ class Turn:
         self.gw.limiter.release(self.tenant, self.stats.prompt_tokens
                                 + self.stats.completion_tokens)
         if self.engine_session_id is not None:
-            self.gw.unlock_session(self.engine_session_id)
+            self._unlocking = self.gw.unlock_session(self.engine_session_id)
+
+    async def released(self) -> None:
+        """Wait until the session lock :meth:`release` gave back is free on every front-end
+        (at once with one): a next turn the client sends as soon as it sees this one end may
+        reach another front-end, and must not find its session busy."""
+        if self._unlocking is not None:
+            with contextlib.suppress(EngineDeadError):  # a gone engine holds no locks
+                await self._unlocking
 
     async def store(self, cut: bool = False) -> None:
         """Save the conversation and this turn's answer (sample 0, so far; ``cut``: marked

@@ -293,6 +293,7 @@ class WSConnection:
             outcome = finish if error is None else error.code or "error"
             self.log_turn(event_type, outcome, (stats.ended or time.perf_counter())
                           - stats.started, stats)
+        await turn.released()
         if error is not None:
             await self.error(error.code or "error", error.message)
             return

@@ -328,10 +328,25 @@ class AsyncEngine:
         a client holds it. Release it with :meth:`unlock_session`."""
         return await self._call(LockSession, session_id)
 
-    def unlock_session(self, session_id: str) -> None:
-        """Release the session's turn lock (sent at once, without waiting)."""
-        with contextlib.suppress(EngineDeadError):  # a gone engine holds no locks
-            self._send(UnlockSession(session_id))
+    def unlock_session(self, session_id: str) -> asyncio.Future[bool] | None:
+        """Release the session's turn lock: sent at once, without waiting; the future is done
+        once the engine has released it (a lock another client asks for after that is free),
+        None when no engine is connected (a gone engine holds no locks)."""
+        call_id = next(self._call_ids)
+        call = self._calls[call_id] = asyncio.get_running_loop().create_future()
+
+        def forget(done: asyncio.Future[bool]) -> None:  # awaiting it is optional
+            self._calls.pop(call_id, None)
+            if not done.cancelled():
+                done.exception()  # retrieved: a death nobody waits for is not logged
+
+        call.add_done_callback(forget)
+        try:
+            self._send(UnlockSession(call_id, session_id))
+        except EngineDeadError:
+            del self._calls[call_id]
+            return None
+        return call
 
     async def _call(self, kind: type[UnpinSession | LockSession], session_id: str) -> bool:
         """Send a call about ``session_id`` and wait for the engine's answer."""

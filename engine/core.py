@@ -145,8 +145,10 @@ class EngineCore:
                     self._locks[message.session_id] = client
                 self._answers[client].append(CallAnswer(message.call_id, free))
             case UnlockSession():
-                if self._locks.get(message.session_id) == client:
+                held = self._locks.get(message.session_id) == client
+                if held:
                     del self._locks[message.session_id]
+                self._answers[client].append(CallAnswer(message.call_id, held))
             case Shutdown():
                 self._leave(client)
 

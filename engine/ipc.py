@@ -48,6 +48,9 @@ class LockSession(msgspec.Struct, tag=True, array_like=True):
 
 
 class UnlockSession(msgspec.Struct, tag=True, array_like=True):
+    """Release the session's turn lock (answered: was it held by this client?)."""
+
+    call_id: int
     session_id: str
 
 
@@ -77,7 +80,8 @@ class RequestFailed(msgspec.Struct, array_like=True):
 
 
 class CallAnswer(msgspec.Struct, array_like=True):
-    """The answer to a client's ``UnpinSession`` (unpinned?) or ``LockSession`` (locked?)."""
+    """The answer to a client's ``UnpinSession`` (unpinned?), ``LockSession`` (locked?) or
+    ``UnlockSession`` (was it held?)."""
 
     call_id: int
     result: bool

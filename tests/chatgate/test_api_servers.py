@@ -172,6 +172,35 @@ def test_a_concurrent_turn_on_the_other_front_end_gets_409(clients):
     assert after.status_code == 200, after.text
 
 
+def test_a_turn_that_ended_on_one_front_end_leaves_its_session_free_on_the_other(clients):
+    """The next turn, sent the moment the last one's end arrives, never finds the session
+    busy: the lock is freed in the engine before the end is sent (streamed or not)."""
+    sid = f"quick-{uuid.uuid4().hex}"
+    body = {"model": "smollm2", "session_id": sid, "max_tokens": 1,
+            "messages": [{"role": "user", "content": "Hi"}]}
+    for i in range(40):
+        if i % 4 < 2:
+            sse_turn(clients[i % 2], body)
+        else:
+            r = clients[i % 2].post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, (i, r.text)
+
+
+def test_the_engine_answers_an_unlock_once_the_session_is_free_for_the_other_clients():
+    from engine.core import EngineCore
+    from engine.ipc import LockSession, UnlockSession
+
+    core = EngineCore(None, [None, None], [None, None], -1)  # type: ignore[arg-type]
+    answers = core._answers
+    for client, message in [(0, LockSession(1, "s")), (1, LockSession(2, "s")),
+                            (1, UnlockSession(3, "s")), (1, LockSession(4, "s")),
+                            (0, UnlockSession(5, "s")), (1, LockSession(6, "s"))]:
+        core._handle(client, message)
+    assert [(a.call_id, a.result) for a in answers[0]] == [(1, True), (5, True)]
+    assert [(a.call_id, a.result) for a in answers[1]] == [
+        (2, False), (3, False), (4, False), (6, True)]
+
+
 def test_bad_input_is_refused_by_every_front_end(clients):
     for client in clients.values():
         bad_json = client.post("/v1/chat/completions", content=b"{",
