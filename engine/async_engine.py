@@ -332,32 +332,32 @@ class AsyncEngine:
         """Release the session's turn lock: sent at once, without waiting; the future is done
         once the engine has released it (a lock another client asks for after that is free),
         None when no engine is connected (a gone engine holds no locks)."""
-        call_id = next(self._call_ids)
-        call = self._calls[call_id] = asyncio.get_running_loop().create_future()
-
-        def forget(done: asyncio.Future[bool]) -> None:  # awaiting it is optional
-            self._calls.pop(call_id, None)
-            if not done.cancelled():
-                done.exception()  # retrieved: a death nobody waits for is not logged
-
-        call.add_done_callback(forget)
         try:
-            self._send(UnlockSession(call_id, session_id))
+            call = self._start_call(UnlockSession, session_id)
         except EngineDeadError:
-            del self._calls[call_id]
             return None
+        # awaiting it is optional: an engine death nobody waits for is retrieved, not logged
+        call.add_done_callback(lambda done: done.cancelled() or done.exception())
         return call
 
     async def _call(self, kind: type[UnpinSession | LockSession], session_id: str) -> bool:
         """Send a call about ``session_id`` and wait for the engine's answer."""
         self._check_alive()
+        return await self._start_call(kind, session_id)
+
+    def _start_call(self, kind: type[UnpinSession | LockSession | UnlockSession],
+                    session_id: str) -> asyncio.Future[bool]:
+        """Send a call about ``session_id``; the future of the engine's answer, forgotten
+        once done."""
         call_id = next(self._call_ids)
         call = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        call.add_done_callback(lambda _: self._calls.pop(call_id, None))
         try:
             self._send(kind(call_id, session_id))
-            return await call
-        finally:
+        except EngineDeadError:
             del self._calls[call_id]
+            raise
+        return call
 
     def _check_alive(self) -> None:
         if self.dead is not None:
