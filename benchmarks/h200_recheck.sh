@@ -4,7 +4,8 @@
 # Llama-3.1-8B shapes) and structured outputs against unconstrained (structured.py, SmolLM2 and
 # 8B shapes).
 #   BASE=.base TOKENIZER=.tok bash benchmarks/h200_recheck.sh   # BASE: `git archive REV engine
-#   chatgate_kernels benchmarks | tar -x -C .base`; TOKENIZER: SmolLM2's tokenizer folder
+#   chatgate_kernels benchmarks | tar -x -C .base`; TOKENIZER: SmolLM2's tokenizer folder;
+#   E2E=0 runs the structured outputs alone
 set -uo pipefail
 out=${OUT:-benchmarks/out}/h200_recheck; mkdir -p "$out"
 run() {  # run <label> <tree> <script args...>
@@ -14,8 +15,10 @@ run() {  # run <label> <tree> <script args...>
   echo "rc $?"; tail -n 14 "$out/$label.txt"
 }
 e2e=(benchmarks/gpu_e2e.py --no-hf --no-fp32-check)
-run e2e_new . "${e2e[@]}" --out /tmp/e2e
-run e2e_base "$BASE" "${e2e[@]}"  # (its own default output folder)
+if [ "${E2E:-1}" != 0 ]; then
+  run e2e_new . "${e2e[@]}" --out /tmp/e2e
+  run e2e_base "$BASE" "${e2e[@]}"  # (its own default output folder)
+fi
 # structured outputs: the trees in turn, base first then new first, so that what runs first on
 # a fresh machine (grammar and kernel caches, clocks) weighs on both alike
 tok=$(realpath "$TOKENIZER")
