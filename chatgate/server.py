@@ -34,8 +34,7 @@ from chatgate.front_end import FrontEnd
 from chatgate.settings import Settings
 from chatgate.shared_store import serve_store
 from engine.client import configure_logging, logging_config
-from engine.launch import engine_command, ipc_links
-from engine.logs import child_environment
+from engine.launch import engine_command, engine_environment, ipc_links
 
 log = logging.getLogger("chatgate")
 
@@ -133,7 +132,7 @@ def serve_many(settings: Settings) -> int:
         engine = subprocess.Popen(
             engine_command(settings.engine, ipc_links(ipc_dir, count), parent_fd,
                            settings.log_level),
-            pass_fds=(parent_fd,), env=child_environment())
+            pass_fds=(parent_fd,), env=engine_environment())
     finally:
         os.close(parent_fd)
     log.info("engine process started (pid %d); loading %s for %d front-end processes",

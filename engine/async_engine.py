@@ -29,7 +29,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +54,7 @@ from engine.ipc import (
     UnpinSession,
     client_decoder,
 )
-from engine.launch import EngineLink, engine_command, ipc_links, process_exit
-from engine.logs import child_environment
+from engine.launch import EngineLink, engine_command, engine_environment, ipc_links, process_exit
 from engine.output_stream import OutputStream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -66,18 +65,6 @@ logger = logging.getLogger("engine.async")
 
 SHUTDOWN_TIMEOUT_S = 30.0
 ATTACHED_SEND_TIMEOUT_MS = 2000  # at most a few reconnect intervals (100 ms each)
-# The engine process's OpenMP threads spin a short while at a barrier, then sleep (libgomp:
-# GOMP_SPINCOUNT; other runtimes: OMP_WAIT_POLICY). Spinning on, a thread holds the core the
-# thread it waits for needs on a CPU the gateway shares (a 32-row step 3.6x as long under load);
-# sleeping at once, each of a step's ~90 parallel regions waits for a wake-up (one stream's
-# tokens twice as far apart). Figures: docs/benchmarks.md, section 4.
-OPENMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
-
-
-def engine_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The OpenMP wait settings the engine process gets: ``OPENMP_WAIT``, unless ``environ``
-    (the caller's environment) sets either variable, which then rules alone."""
-    return {} if OPENMP_WAIT.keys() & environ.keys() else dict(OPENMP_WAIT)
 
 
 class EngineStartupError(RuntimeError):
@@ -174,7 +161,7 @@ class AsyncEngine:
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *engine_command(self.config, [link], parent_fd, self.log_level),
-                pass_fds=(parent_fd,), env=engine_environment(os.environ) | child_environment())
+                pass_fds=(parent_fd,), env=engine_environment())
         finally:
             os.close(parent_fd)
         logger.info("engine process started (pid %d); loading %s", self._proc.pid,

@@ -10,11 +10,32 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
 
 from engine.config import EngineConfig
+from engine.logs import child_environment
+
+# The engine process's OpenMP threads spin a short while at a barrier, then sleep (libgomp:
+# GOMP_SPINCOUNT; other runtimes: OMP_WAIT_POLICY). Spinning on, a thread holds the core the
+# thread it waits for needs on a CPU the gateway shares (a 32-row step 3.6x as long under load);
+# sleeping at once, each of a step's ~90 parallel regions waits for a wake-up (one stream's
+# tokens twice as far apart). Figures: docs/benchmarks.md, section 4.
+OPENMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
+
+
+def openmp_wait(environ: Mapping[str, str]) -> dict[str, str]:
+    """The OpenMP wait settings the engine process gets: ``OPENMP_WAIT``, unless ``environ``
+    (the caller's environment) sets either variable, which then rules alone."""
+    return {} if OPENMP_WAIT.keys() & environ.keys() else dict(OPENMP_WAIT)
+
+
+def engine_environment() -> dict[str, str]:
+    """The engine process's environment, whoever starts it: this process's
+    (``child_environment``) with ``openmp_wait``'s settings."""
+    return openmp_wait(os.environ) | child_environment()
 
 
 @dataclass(frozen=True)
@@ -48,7 +69,6 @@ def engine_command(config: EngineConfig, links: list[EngineLink], parent_fd: int
     for link in links:
         argv += ["--inbox", link.inbox, "--outbox", link.outbox]
     return argv
-
 
 
 def process_exit(pid: int) -> asyncio.Future[int | None]:

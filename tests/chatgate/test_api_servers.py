@@ -20,6 +20,8 @@ from chatgate_testlib import REDIS_URL, Server, redis_delete_prefix
 from test_gateway_process import mapped_heavy_libraries
 from test_sessions import TURNS, check_reuse, recv_event, unique_system, ws_turn
 
+from engine.launch import OPENMP_WAIT, openmp_wait
+
 HEADER = "x-chatgate-api-server"
 
 
@@ -227,6 +229,19 @@ def test_no_front_end_process_maps_torch(server, clients):
     for pid in [server.proc.pid, *front_ends]:
         assert mapped_heavy_libraries(pid) == set()
     assert any(name.startswith("libtorch") for name in mapped_heavy_libraries(engine))
+
+
+def test_the_supervisors_engine_process_gets_the_openmp_wait_settings(server):
+    """The engine the supervisor starts runs with the same OpenMP wait settings as one an
+    ``AsyncEngine`` starts alone (engine.launch.engine_environment)."""
+    (engine,) = [pid for pid, cmd in processes(server.proc.pid).items() if "engine.core" in cmd]
+    environ = dict(item.split(b"=", 1)
+                   for item in Path(f"/proc/{engine}/environ").read_bytes().split(b"\0")
+                   if b"=" in item)
+    expected = openmp_wait(os.environ) or os.environ  # a caller's own setting rules alone
+    for name in OPENMP_WAIT:
+        assert environ.get(name.encode()) == (
+            expected[name].encode() if name in expected else None)
 
 
 @pytest.mark.parametrize("victim", ["supervisor", "engine"])

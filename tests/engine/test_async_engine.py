@@ -23,7 +23,7 @@ from engine import (
     EngineStartupError,
     SamplingParams,
 )
-from engine.async_engine import engine_environment
+from engine.launch import openmp_wait
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -197,16 +197,16 @@ async def test_the_engine_process_runs_openmp_threads_that_spin_briefly_then_sle
     with open(f"/proc/{engine.pid}/environ", "rb") as f:
         environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
     expected = {k.encode(): v.encode()
-                for k, v in engine_environment(os.environ).items()}
+                for k, v in openmp_wait(os.environ).items()}
     for name in (b"OMP_WAIT_POLICY", b"GOMP_SPINCOUNT"):
         assert environ.get(name) == (expected.get(name) or os.environb.get(name))
 
 
 async def test_a_caller_that_sets_an_openmp_wait_variable_rules_alone() -> None:
-    assert engine_environment({}) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
-    assert engine_environment({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
-    assert engine_environment({"GOMP_SPINCOUNT": "0", "PATH": "/bin"}) == {}
-    assert engine_environment({"PATH": "/bin"})["GOMP_SPINCOUNT"] == "20000"
+    assert openmp_wait({}) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
+    assert openmp_wait({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    assert openmp_wait({"GOMP_SPINCOUNT": "0", "PATH": "/bin"}) == {}
+    assert openmp_wait({"PATH": "/bin"})["GOMP_SPINCOUNT"] == "20000"
 
 
 async def test_shutdown_stops_the_engine_process() -> None:
