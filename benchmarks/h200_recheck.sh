@@ -5,7 +5,7 @@
 # 8B shapes).
 #   BASE=.base TOKENIZER=.tok bash benchmarks/h200_recheck.sh   # BASE: `git archive REV engine
 #   chatgate_kernels benchmarks | tar -x -C .base`; TOKENIZER: SmolLM2's tokenizer folder;
-#   E2E=0 runs the structured outputs alone
+#   E2E=0 or STRUCTURED=0 leaves that part out
 set -uo pipefail
 out=${OUT:-benchmarks/out}/h200_recheck; mkdir -p "$out"
 run() {  # run <label> <tree> <script args...>
@@ -22,7 +22,9 @@ fi
 # structured outputs: the trees in turn, base first then new first, so that what runs first on
 # a fresh machine (grammar and kernel caches, clocks) weighs on both alike
 tok=$(realpath "$TOKENIZER")
-for order in "base:$BASE new:." "new:. base:$BASE"; do
+orders=("base:$BASE new:." "new:. base:$BASE")
+[ "${STRUCTURED:-1}" = 0 ] && orders=()
+for order in "${orders[@]}"; do
   round=$(( ${round:-0} + 1 ))
   for tree in $order; do
     run "structured_smollm2_${tree%%:*}_$round" "${tree#*:}" benchmarks/structured.py \
