@@ -1,5 +1,5 @@
-"""How the engine process is started and found: its command line, and the addresses each client
-binds (``EngineLink``). Torch-free: the gateway's processes import it.
+"""How the engine process is started and found: its command line and environment, and the
+addresses each client binds (``EngineLink``). Torch-free: the gateway's processes import it.
 
 One client (``AsyncEngine`` alone) starts the engine process itself. With several clients
 (``chatgate serve --api-server-count N``) the supervising process starts it with N links, one
