@@ -14,18 +14,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks._common import Run, add_out_argument, log, percentile
-from benchmarks.floor import decode_weight_bytes
-from benchmarks.hardware import copy_bandwidth, cuda_median_s, release_memory
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks._common import Run, add_out_argument, log, percentile  # noqa: E402
+from benchmarks.floor import decode_weight_bytes  # noqa: E402
+from benchmarks.hardware import copy_bandwidth, cuda_median_s, release_memory  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 GEMM_NAMES = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")
 ATTENTION_NAMES = ("attention", "attn", "paged")
