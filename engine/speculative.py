@@ -39,11 +39,12 @@ from engine.sequence import Sequence
 
 # A sequence looks for K drafts while its recent acceptance (an exponential moving average of
 # accepted / drafted tokens, weight ``EMA_WEIGHT`` on the newest verify) is at least
-# ``MIN_ACCEPTANCE``; otherwise only every ``PROBE_INTERVAL``-th step, for one draft (to
+# ``MIN_ACCEPTANCE``; otherwise only every ``PROBE_INTERVAL``-th engine step, for one draft (to
 # measure it anew at little cost). While a step is in flight (overlapped scheduling), looking
 # means reading it first, so it is only done for a sequence that found drafts in the last
-# ``QUIET_STEPS`` steps, or for a probe. On the 2-core CPU a verify of K = 4 drafts costs 1.7
-# decode steps, of one 1.2 (docs/benchmarks.md): drafts pay once 0.7 of 4 are accepted.
+# ``QUIET_STEPS`` steps, or for a probe. Steps count whether or not anything drafts. On the
+# 2-core CPU a verify of K = 4 drafts costs 1.7 decode steps, of one 1.2 (docs/benchmarks.md):
+# drafts pay once 0.7 of 4 are accepted.
 EMA_WEIGHT = 0.3
 MIN_ACCEPTANCE = 0.3
 QUIET_STEPS = 8
@@ -80,25 +81,26 @@ def accepted(drafts: list[int], sampled: list[int]) -> list[int]:
 
 @dataclass
 class _Acceptance:
-    """One sequence's recent acceptance and the steps since it last drafted."""
+    """One sequence's recent acceptance and the engine step of its last verdict (or of its
+    first step, before any); ``idle`` below is the steps since then."""
 
     rate: float = 1.0
-    idle: int = 0
+    since: int = 0
 
-    def drafts(self, k: int) -> int:
+    def drafts(self, k: int, idle: int) -> int:
         """How many drafts the sequence looks for this step (see ``MIN_ACCEPTANCE``)."""
         if self.rate >= MIN_ACCEPTANCE:
             return k
-        return 1 if self.idle % PROBE_INTERVAL == PROBE_INTERVAL - 1 else 0
+        return 1 if idle % PROBE_INTERVAL == 0 else 0
 
-    def worth_waiting(self) -> bool:
+    def worth_waiting(self, idle: int) -> bool:
         """Whether to read a step in flight for this sequence's drafts (``QUIET_STEPS``)."""
-        return ((self.rate >= MIN_ACCEPTANCE and self.idle < QUIET_STEPS)
-                or self.idle % PROBE_INTERVAL == PROBE_INTERVAL - 1)
+        return ((self.rate >= MIN_ACCEPTANCE and idle < QUIET_STEPS)
+                or idle % PROBE_INTERVAL == 0)
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(self, num_drafts: int, num_accepted: int, step: int) -> None:
         self.rate += EMA_WEIGHT * (num_accepted / num_drafts - self.rate)
-        self.idle = 0
+        self.since = step
 
 
 @dataclass
@@ -118,6 +120,7 @@ class Speculator:
     max_model_len: int
     counters: SpecCounters = field(default_factory=SpecCounters)
     _acceptance: dict[int, _Acceptance] = field(default_factory=dict)
+    _step: int = 0  # engine steps so far: ``active`` is asked once a step
 
     @staticmethod
     def of(options: dict[str, Any] | None, max_model_len: int) -> "Speculator | None":
@@ -127,29 +130,32 @@ class Speculator:
         return Speculator(SpeculativeConfig.from_dict(options), max_model_len)
 
     def active(self, running: list[Sequence], in_flight: bool) -> bool:
-        """Whether this step may draft: no more running sequences than the limit, and one of
-        them looks for drafts; with a step ``in_flight`` (which is then read first: see
-        ``engine.llm_engine``), one worth waiting for."""
+        """Whether this step may draft (asked once each engine step, which it counts): no
+        more running sequences than the limit, and one of them looks for drafts; with a step
+        ``in_flight`` (which is then read first: see ``engine.llm_engine``), one worth waiting
+        for. Forgets the acceptance of sequences no longer running (at such a step)."""
+        self._step += 1
         if not 0 < len(running) <= self.config.disable_by_batch_size:
             return False
-        states = [self._acceptance.get(s.seq_id, _Acceptance()) for s in running
-                  if s.matcher is None]
-        return any(s.worth_waiting() if in_flight else s.drafts(1) for s in states)
+        step = self._step
+        known = self._acceptance
+        self._acceptance = {s.seq_id: known.get(s.seq_id) or _Acceptance(since=step)
+                            for s in running}
+        states = [self._acceptance[s.seq_id] for s in running if s.matcher is None]
+        return any(s.worth_waiting(step - s.since) if in_flight else s.drafts(1, step - s.since)
+                   for s in states)
 
     def propose(self, running: list[Sequence]) -> None:
         """Set ``draft_token_ids`` of each running sequence that may speculate (module
-        docstring); forget the acceptance of sequences no longer running."""
-        self._acceptance = {s.seq_id: self._acceptance.get(s.seq_id, _Acceptance())
-                            for s in running}
+        docstring)."""
         c = self.config
         for seq in running:
-            state = self._acceptance[seq.seq_id]
-            k = (min(state.drafts(c.num_speculative_tokens), self._room(seq))
-                 if self._may_draft(seq) else 0)
+            state = self._acceptance.get(seq.seq_id) or _Acceptance(since=self._step)
+            k = (min(state.drafts(c.num_speculative_tokens, self._step - state.since),
+                     self._room(seq)) if self._may_draft(seq) else 0)
             if k > 0:
                 seq.draft_token_ids = propose_ngram(seq.token_ids, k, c.prompt_lookup_min,
                                                     c.prompt_lookup_max)
-            state.idle += 1  # until a verdict records it
 
     def _may_draft(self, seq: Sequence) -> bool:
         return (seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens > 0
@@ -175,7 +181,7 @@ class Speculator:
         seq.num_accepted_tokens += len(tokens) - 1
         state = self._acceptance.get(seq.seq_id)
         if state is not None:
-            state.record(len(drafts), len(tokens) - 1)
+            state.record(len(drafts), len(tokens) - 1, self._step)
         seq.draft_token_ids = []
         return tokens
 

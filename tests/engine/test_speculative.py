@@ -195,15 +195,17 @@ def _decoding(tokens: list[int]) -> Sequence:
 
 
 def test_drafts_back_off_when_rejected_and_under_load() -> None:
-    """A sequence whose drafts are rejected drafts again only every PROBE_INTERVAL-th step;
-    no sequence drafts while more than disable_by_batch_size run."""
+    """A sequence whose drafts are rejected drafts again only every PROBE_INTERVAL-th step,
+    for as long as it runs (the engine asks ``active`` each step and proposes only when it says
+    so); no sequence drafts while more than disable_by_batch_size run."""
     config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
                                           "prompt_lookup_min": 1, "disable_by_batch_size": 2})
     speculator = Speculator(config, max_model_len=4096)
     seq = _decoding([1, 2, 3, 1, 2, 3, 1, 2])
     drafted_steps = []
     for step in range(40):
-        speculator.propose([seq])
+        if speculator.active([seq], in_flight=False):
+            speculator.propose([seq])
         if seq.draft_token_ids:
             drafted_steps.append(step)
             speculator.verdict(seq, [9] * (len(seq.draft_token_ids) + 1))  # all rejected
@@ -211,5 +213,13 @@ def test_drafts_back_off_when_rejected_and_under_load() -> None:
     gaps = [b - a for a, b in zip(drafted_steps[3:], drafted_steps[4:], strict=False)]
     assert gaps and set(gaps) == {PROBE_INTERVAL}  # probes, of one draft each
     assert speculator.counters.num_draft_tokens == 4 * 3 + len(gaps)
+    sizes = []  # the text turns copyable again: an accepted probe brings back K drafts
+    for _ in range(2 * PROBE_INTERVAL):
+        if speculator.active([seq], in_flight=False):
+            speculator.propose([seq])
+        if seq.draft_token_ids:
+            sizes.append(len(seq.draft_token_ids))
+            speculator.verdict(seq, [*seq.draft_token_ids, 9])  # all accepted
+    assert sizes[0] == 1 and set(sizes[1:]) == {3}
     crowd = [_decoding([1, 2, 3, 1, 2, 3, 1, 2]) for _ in range(3)]
     assert not speculator.active(crowd, in_flight=False)
