@@ -82,19 +82,20 @@ def accepted(drafts: list[int], sampled: list[int]) -> list[int]:
 @dataclass
 class _Acceptance:
     """One sequence's recent acceptance and the engine step of its last verdict (or of its
-    first step, before any); ``idle`` below is the steps since then."""
+    first step, before any)."""
 
     rate: float = 1.0
     since: int = 0
 
-    def drafts(self, k: int, idle: int) -> int:
-        """How many drafts the sequence looks for this step (see ``MIN_ACCEPTANCE``)."""
+    def drafts(self, k: int, step: int) -> int:
+        """How many drafts the sequence looks for at ``step`` (see ``MIN_ACCEPTANCE``)."""
         if self.rate >= MIN_ACCEPTANCE:
             return k
-        return 1 if idle % PROBE_INTERVAL == 0 else 0
+        return 1 if (step - self.since) % PROBE_INTERVAL == 0 else 0
 
-    def worth_waiting(self, idle: int) -> bool:
+    def worth_waiting(self, step: int) -> bool:
         """Whether to read a step in flight for this sequence's drafts (``QUIET_STEPS``)."""
+        idle = step - self.since
         return ((self.rate >= MIN_ACCEPTANCE and idle < QUIET_STEPS)
                 or idle % PROBE_INTERVAL == 0)
 
@@ -142,8 +143,7 @@ class Speculator:
         self._acceptance = {s.seq_id: known.get(s.seq_id) or _Acceptance(since=step)
                             for s in running}
         states = [self._acceptance[s.seq_id] for s in running if s.matcher is None]
-        return any(s.worth_waiting(step - s.since) if in_flight else s.drafts(1, step - s.since)
-                   for s in states)
+        return any(s.worth_waiting(step) if in_flight else s.drafts(1, step) for s in states)
 
     def propose(self, running: list[Sequence]) -> None:
         """Set ``draft_token_ids`` of each running sequence that may speculate (module
@@ -151,8 +151,8 @@ class Speculator:
         c = self.config
         for seq in running:
             state = self._acceptance.get(seq.seq_id) or _Acceptance(since=self._step)
-            k = (min(state.drafts(c.num_speculative_tokens, self._step - state.since),
-                     self._room(seq)) if self._may_draft(seq) else 0)
+            k = (min(state.drafts(c.num_speculative_tokens, self._step), self._room(seq))
+                 if self._may_draft(seq) else 0)
             if k > 0:
                 seq.draft_token_ids = propose_ngram(seq.token_ids, k, c.prompt_lookup_min,
                                                     c.prompt_lookup_max)
