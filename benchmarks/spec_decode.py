@@ -9,10 +9,12 @@ host's drift cancels):
   prose    one stream, free prose (no copying): tokens/s ratio
   batch    ``--concurrency`` prompts (edits and prose) submitted together: throughput ratio
   lossless ``--lossless N`` prompts (float32 on CPU): greedy output with and without
-           speculation, token for token; mismatches are listed
+           speculation, token for token; mismatches are listed (``--lossless-batching``:
+           also plain decoding one prompt at a time against 16 at a time)
   verify   (``--verify-model``, CUDA) one sequence of ``--verify-context`` tokens: the cost of
-           a verify step with K = 1..8 drafts against one decode step (CUDA graph), and the
-           speed it implies at the acceptance measured on the edit workload
+           a verify step with K = 1..8 drafts (its CUDA graph, and eager) against one decode
+           step (CUDA graph), and the speed it implies at the acceptance measured on the edit
+           workload
 
     python benchmarks/spec_decode.py                      # CPU, serving defaults (int8)
     python benchmarks/spec_decode.py --workloads lossless --lossless 200 --quantization none
@@ -170,9 +172,11 @@ def batched(plain, spec, chats: list[list[dict]], params, log) -> dict[str, floa
     return result
 
 
-def lossless(plain, spec, n: int, max_tokens: int, log) -> dict[str, object]:
+def lossless(plain, spec, n: int, max_tokens: int, log, batching: bool = False
+             ) -> dict[str, object]:
     """``n`` prompts (edits, prose, lists), 16 at a time, greedy: mismatching prompts
-    (``spec`` drafts at any batch size)."""
+    (``spec`` drafts at any batch size). With ``batching``, also those where ``plain`` run one
+    prompt at a time differs from ``plain`` run 16 at a time: what batch shape alone changes."""
     from engine import SamplingParams
 
     lists = [[{"role": "user", "content": f"List {k} {thing}, one per line, then repeat the "
@@ -181,20 +185,29 @@ def lossless(plain, spec, n: int, max_tokens: int, log) -> dict[str, object]:
     chats = (edit_chats(n) + prose_chats(n) + lists)
     chats = [chats[i * len(chats) // n] for i in range(n)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    mismatches = []
+    mismatches: list[int] = []
+    alone: list[int] = []
     for start in range(0, n, 16):
-        a = plain.chat(chats[start:start + 16], params)
-        b = spec.chat(chats[start:start + 16], params)
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            if x.outputs[0].token_ids != y.outputs[0].token_ids:
-                mismatches.append(start + i)
-        log(f"  {min(start + 16, n)}/{n}: {len(mismatches)} mismatching")
-    return {"prompts": n, "mismatches": mismatches, "identical": n - len(mismatches)}
+        group = chats[start:start + 16]
+        a = [o.outputs[0].token_ids for o in plain.chat(group, params)]
+        b = [o.outputs[0].token_ids for o in spec.chat(group, params)]
+        mismatches += [start + i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        if batching:
+            c = [plain.chat([chat], params)[0].outputs[0].token_ids for chat in group]
+            alone += [start + i for i, (x, y) in enumerate(zip(a, c, strict=True)) if x != y]
+        log(f"  {min(start + 16, n)}/{n}: {len(mismatches)} mismatching"
+            + (f" (plain one at a time: {len(alone)})" if batching else ""))
+    result: dict[str, object] = {"prompts": n, "mismatches": mismatches,
+                                 "identical": n - len(mismatches)}
+    if batching:
+        result["plain_one_at_a_time_mismatches"] = alone
+    return result
 
 
 def verify_cost(args, log) -> list[list[object]]:
-    """A ``--verify-context``-token sequence decoding: the time of a step with K forced drafts
-    (an eager verify) against a plain decode step (a CUDA graph where there is one)."""
+    """A ``--verify-context``-token sequence decoding: the time of a step with K forced drafts,
+    through the verify CUDA graph and run eagerly, against a plain decode step (a CUDA graph
+    where there is one)."""
     import torch
 
     from engine import LLM, SamplingParams
@@ -209,13 +222,15 @@ def verify_cost(args, log) -> list[list[object]]:
                                                    ignore_eos=True))
     engine.step()  # the prefill
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    graphs = engine.runner.verify_graphs
 
-    def step_ms(k: int, steps: int = 30) -> float:
+    def step_ms(k: int, eager: bool = False, steps: int = 30) -> float:
         def propose(running: list) -> None:
             for seq in running:
                 seq.draft_token_ids = [seq.token_ids[-1]] * k
         engine.speculator.propose = propose
         engine.speculator.active = lambda running, in_flight: k > 0  # K = 0: overlapped decode
+        engine.runner.verify_graphs = None if eager else graphs
         for _ in range(3):
             engine.step()
         sync()
@@ -225,14 +240,49 @@ def verify_cost(args, log) -> list[list[object]]:
         sync()
         return (time.perf_counter() - t0) / steps * 1e3
 
+    if graphs is not None:
+        check_verify_graphs(engine, step_ms, log)
     decode = step_ms(0)
-    rows = [["decode", f"{decode:.2f}", "1.00", "-"]]
+    rows = [["decode", "-", f"{decode:.2f}", "1.00", "-"]]
     for k in range(1, 9):
-        cost = step_ms(k)
-        rows.append([f"verify K={k}", f"{cost:.2f}", f"{cost / decode:.2f}",
+        eager = step_ms(k, eager=True)
+        cost = step_ms(k) if graphs is not None else eager
+        rows.append([f"verify K={k}", f"{eager:.2f}", f"{cost:.2f}", f"{cost / decode:.2f}",
                      f"{(1 + min(k, args.accepted_per_verify)) * decode / cost:.2f}"])
-    log(table(rows, ["step", "ms", "vs decode", "speed-up at the edit acceptance"]))
+    log(table(rows, ["step", "eager ms", "graph ms", "graph vs decode",
+                     "speed-up at the edit acceptance"]))
     return rows
+
+
+def check_verify_graphs(engine, step_ms, log) -> None:
+    """Run verify steps of K = 1, 3 and 8 drafts through the verify graph and eagerly (the
+    eager result goes on) and log how their logits differ: the largest difference and the rows
+    whose argmax differs."""
+    runner = engine.runner
+    graphs, run_step = runner.verify_graphs, runner.run_step
+    diffs: list[float] = []
+    rows = agree = 0
+
+    def both(*args):
+        nonlocal rows, agree
+        graph = run_step(*args).float()
+        runner.verify_graphs = None
+        eager = run_step(*args)
+        runner.verify_graphs = graphs
+        diff = (graph - eager.float()).abs()
+        diffs.append(float(diff[diff.isfinite()].max()))  # -inf past the vocabulary in both
+        rows += eager.shape[0]
+        agree += int((graph.argmax(-1) == eager.argmax(-1)).sum())
+        return eager
+
+    runner.run_step = both
+    try:
+        for k in (1, 3, 8):
+            step_ms(k, steps=3)
+    finally:
+        runner.run_step = run_step
+    log(f"verify graph vs eager: max |logit difference| {max(diffs):.4f}, argmax equal in "
+        f"{agree}/{rows} rows")
 
 
 def quantization(args: argparse.Namespace) -> str | None:
@@ -255,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--lossless", type=int, default=200)
     p.add_argument("--lossless-max-tokens", type=int, default=48)
+    p.add_argument("--lossless-batching", action="store_true",
+                   help="also compare plain decoding one prompt at a time with 16 at a time")
     p.add_argument("--verify-model", default=None, help="e.g. dummy:llama-3.1-8b (CUDA)")
     p.add_argument("--verify-context", type=int, default=1024)
     p.add_argument("--accepted-per-verify", type=float, default=None,
@@ -307,9 +359,14 @@ def main(argv: list[str] | None = None) -> int:
         anywhere = LLM(args.model, speculative_config={
             **spec_config, "prompt_lookup_min": 1, "disable_by_batch_size": 64}, **options)
         results["lossless"] = r = lossless(plain, anywhere, args.lossless,
-                                           args.lossless_max_tokens, log)
+                                           args.lossless_max_tokens, log,
+                                           args.lossless_batching)
         log(f"lossless: {r['identical']}/{r['prompts']} identical; mismatching: "
             f"{r['mismatches']}")
+        if args.lossless_batching:
+            log(f"plain one prompt at a time vs 16 at a time: "
+                f"{len(r['plain_one_at_a_time_mismatches'])} mismatching: "
+                f"{r['plain_one_at_a_time_mismatches']}")
     if args.verify_model:
         if args.accepted_per_verify is None:
             edit = results.get("edit")

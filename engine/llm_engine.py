@@ -242,7 +242,7 @@ class LLMEngine:
             # the masks fill in the grammar worker while the resolved tokens are appended
             masks = self.grammars.prepare(sampled, self.runner.last_graph_size or 0)
             clock.lap("grammar")
-            outputs = self._apply_tokens(resolved)
+            outputs += self._apply_tokens(resolved)  # after any a drafting look read
             clock.lap("outputs")
             self._launch_draw(sampled, logits, masks)
             self._commit(batch)

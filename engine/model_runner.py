@@ -6,7 +6,9 @@ host synchronisation per step is the sampler reading the sampled tokens.
 
 CUDA graphs (CUDA only, off with ``EngineConfig.enforce_eager``): a pure-decode step (every row
 has one new token) of up to the largest captured batch size replays the decode graph of the
-next padded batch size (``engine/cuda_graphs.py``).
+next padded batch size; with speculative decoding, a step whose rows have at most K + 1 new
+tokens (a verify) and that fits the largest verify graph (``disable_by_batch_size`` rows)
+replays a verify graph (``engine/cuda_graphs.py``). Other steps run eagerly.
 
 An FP8 KV cache (``kv_cache_dtype="fp8"``) gets its per-layer scales at start-up, before any
 graph is captured: a forward pass over ``CALIBRATION_TOKENS`` seeded random token ids into a
@@ -23,7 +25,7 @@ import torch
 
 from chatgate_kernels.reference import FP8, FP8_MAX
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
+from engine.cuda_graphs import StepGraphs, capture_step_graphs, padded_batch_size
 from engine.model import AttentionMetadata, LlamaModel
 from engine.scheduler import ScheduledBatch
 from engine.step_timing import NO_CLOCK, NoClock, StepClock
@@ -77,16 +79,27 @@ class ModelRunner:
         self._sampled_host = torch.zeros(2, config.max_num_seqs, dtype=torch.long,
                                          pin_memory=self.device.type == "cuda")
         self._sampled_turn = 0
-        self.decode_graphs: DecodeGraphs | None = None
+        self.decode_graphs: StepGraphs | None = None
+        self.verify_graphs: StepGraphs | None = None
         # the padded size of the decode graph whose logits the last step returned (every row
         # sampled), else None
         self.last_graph_size: int | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.decode_graphs = DecodeGraphs(model, self.kv_cache, self.sampled, max_model_len,
-                                              self.max_blocks_per_seq,
-                                              graph_batch_sizes(config.max_num_seqs))
+            self.decode_graphs, self.verify_graphs = capture_step_graphs(
+                model, self.kv_cache, self.sampled, max_model_len, self.max_blocks_per_seq,
+                config.max_num_seqs, config.speculative_config)
         if self.device.type == "cuda":
             one_host_thread()
+
+    def _step_graphs(self, host: dict[str, np.ndarray]) -> tuple[StepGraphs, int] | None:
+        """The graphs that run the step ``host`` and the padded batch size, or None (eager)."""
+        if host["block_tables"].shape[1] > self.max_blocks_per_seq:
+            return None
+        for graphs in (self.decode_graphs, self.verify_graphs):
+            if graphs is not None and host["max_query_len"] <= graphs.query_len:
+                padded = padded_batch_size(len(host["seq_lens"]), graphs.sizes)
+                return None if padded is None else (graphs, padded)
+        return None
 
     @property
     def graphs(self) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
@@ -282,17 +295,20 @@ class ModelRunner:
             raw = self.kv_cache.view(torch.uint8)  # no FP8 indexing kernels; bytes copy alike
             raw[:, :, dst] = raw[:, :, src]
         n = len(host["seq_lens"])
-        padded = (padded_batch_size(n, self.graph_sizes)
-                  if self.decode_graphs is not None and host["max_query_len"] == 1
-                  and host["block_tables"].shape[1] <= self.max_blocks_per_seq else None)
+        chosen = self._step_graphs(host)
         self.last_graph_size = None
-        if padded is not None:
+        if chosen is not None and chosen[0] is self.decode_graphs:
+            padded = chosen[1]
             self.decode_graphs.load(host, n, padded, feed)
             logits = clock.replay_graph(padded, self.decode_graphs.replay)[:n]
             if sample_indices != list(range(n)):
                 return logits[self._to_device(np.asarray(sample_indices, dtype=np.int64))]
             self.last_graph_size = padded
             return logits
+        if chosen is not None:
+            graphs, padded = chosen
+            graphs.load(host, n, padded, feed)
+            return graphs.replay(padded)[self._to_device(self.logit_rows(host, sample_indices))]
         block_tables = self._to_device(host["block_tables"])
         seq_lens = self._to_device(host["seq_lens"])
         query_start_loc = self._to_device(host["query_start_loc"])

@@ -1,11 +1,13 @@
 """CPU-runnable checks of the model runner's CUDA-graph helpers, host-side metadata and host
 threads."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
-from engine.cuda_graphs import graph_batch_sizes, padded_batch_size
+from engine.cuda_graphs import graph_batch_sizes, pack_step, padded_batch_size
 from engine.model_runner import ModelRunner, one_host_thread
 from engine.scheduler import ScheduledBatch
 
@@ -74,6 +76,47 @@ def test_host_metadata_speculative_rows_feed_the_drafts_after_the_last_token():
     assert host["slot_mapping"].tolist() == [6 * 4 + 0, 6 * 4 + 1, 6 * 4 + 2, 5 * 4 + 2]
     assert host["seq_lens"].tolist() == [7, 3]
     assert host["num_drafts"].tolist() == [2, 0]
+
+
+def test_a_packed_verify_step_puts_its_tokens_first_and_pads_rows_with_no_tokens():
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size = 4
+    seqs = [_Seq([10, 11, 12, 13, 14], 4, [3, 6], drafts=[15, 16]),  # last token + 2 drafts
+            _Seq([20, 21, 22], 2, [5])]                               # plain decode
+    host = runner.host_metadata(ScheduledBatch(seqs=seqs, num_new_tokens=[3, 1]))
+    packed = np.full((6, 4 * 3 + 1), 99, dtype=np.int64)  # padded to 4 rows of 3 tokens
+    pack_step(packed, host, padded=4, query_len=3, feed=np.array([-1, 5]))
+    ids, positions, slots, feed, seq_lens, starts = packed
+    assert ids[:12].tolist() == [14, 15, 16, 22] + [0] * 8
+    assert positions[:12].tolist() == [4, 5, 6, 2] + [0] * 8
+    assert slots[:12].tolist() == [24, 25, 26, 22] + [-1] * 8  # padding writes no KV
+    assert feed[:12].tolist() == [-1, -1, -1, 5] + [-1] * 8  # row 1's first token is fed
+    assert seq_lens[:4].tolist() == [7, 3, 0, 0]
+    assert starts[:5].tolist() == [0, 3, 4, 4, 4]  # padding rows: no query tokens
+
+
+def _graphs(query_len: int, sizes: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(query_len=query_len, sizes=sizes)
+
+
+def _step(num_new: list[int], table_width: int = 2) -> dict[str, np.ndarray]:
+    return {"seq_lens": np.full(len(num_new), 9), "max_query_len": max(num_new),
+            "block_tables": np.zeros((len(num_new), table_width), dtype=np.int32)}
+
+
+def test_steps_replay_the_decode_or_verify_graphs_that_hold_them_else_run_eagerly():
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.max_blocks_per_seq = 8
+    runner.decode_graphs = decode = _graphs(1, [1, 2, 4, 8])
+    runner.verify_graphs = verify = _graphs(5, [1, 2, 4])
+    assert runner._step_graphs(_step([1] * 3)) == (decode, 4)
+    assert runner._step_graphs(_step([1] * 9)) is None  # past the largest decode graph
+    assert runner._step_graphs(_step([5, 1, 3])) == (verify, 4)  # K = 4 drafts and fewer
+    assert runner._step_graphs(_step([2] * 5)) is None  # more rows than speculation runs
+    assert runner._step_graphs(_step([6])) is None  # a prefill chunk longer than K + 1
+    assert runner._step_graphs(_step([1], table_width=9)) is None  # wider than captured
+    runner.verify_graphs = None
+    assert runner._step_graphs(_step([3])) is None
 
 
 def test_fused_forward_matches_unfused_and_shares_weights():

@@ -101,6 +101,23 @@ def test_overlapped_scheduling_keeps_the_output(smollm2, engines: tuple[LLM, LLM
     assert overlapped.engine.stats().spec_decode_num_accepted_tokens > 0
 
 
+def test_overlapped_steps_that_find_no_drafts_lose_no_output(smollm2,
+                                                              engines: tuple[LLM, LLM]) -> None:
+    """A step that reads the one in flight to look for drafts, finds none and so overlaps
+    returns the outputs of that read too: every request finishes, with plain decoding's
+    tokens."""
+    plain, _ = engines
+    overlapped = LLM("smollm2", loaded=smollm2, num_kv_blocks=400, async_scheduling=True,
+                     speculative_config=SPEC)
+    speculator = overlapped.engine.speculator
+    speculator.active = lambda running, in_flight: True  # looks at every step ...
+    speculator.propose = lambda running: None  # ... and finds nothing
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 16, 24)]
+    chats = _chats()[:3]  # finishing at different steps, while others run on
+    assert ([o.outputs[0].token_ids for o in overlapped.chat(chats, params)]
+            == [o.outputs[0].token_ids for o in plain.chat(chats, params)])
+
+
 def test_sessions_pin_only_accepted_tokens(engines: tuple[LLM, LLM]) -> None:
     """Two turns of a pinned session: the same answers, the same pinned tokens, and every
     hashed block and the pin hold KV equal to the plain engine's for the same tokens."""
