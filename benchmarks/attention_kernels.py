@@ -294,18 +294,24 @@ def sweep() -> dict:
     out = torch.empty_like(args[0])
     best = (math.inf, None)
     for cfg in EXTEND_VARIANTS:
-        triton_attention.EXTEND_CONFIG["16"] = cfg
+        use_extend_variant(cfg)
         ms = try_bench(lambda: triton_attention.paged_attention(*args, out=out))
         result["extend"].append({**cfg, "ms": ms})
         log(f"sweep extend {cfg}: {ms:.3f}ms")
         best = min(best, (ms, cfg), key=lambda x: x[0])
-    triton_attention.EXTEND_CONFIG["16"] = best[1]
+    use_extend_variant(best[1])
     result["chosen"] = {"decode": triton_attention.DECODE_CONFIG["16"],
                         "programs_per_sm": triton_attention.PROGRAMS_PER_SM,
                         "min_split_tokens": triton_attention.MIN_SPLIT_TOKENS,
-                        "extend": triton_attention.EXTEND_CONFIG["16"]}
+                        "extend": best[1]}
     log(f"chosen: {result['chosen']}")
     return result
+
+
+def use_extend_variant(cfg: dict[str, int]) -> None:
+    """Launch the 16-bit extend kernel with ``cfg`` (its query tile ``BLOCK_M`` included)."""
+    triton_attention.EXTEND_BLOCK_M = cfg["BLOCK_M"]
+    triton_attention.EXTEND_CONFIG["16"] = {k: v for k, v in cfg.items() if k != "BLOCK_M"}
 
 
 def plot(decode: list[dict], ax) -> None:

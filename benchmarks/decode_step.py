@@ -1,5 +1,5 @@
-"""The decode step alone, on CUDA, through the runner's public measurement methods
-(``load_decode_batch``, ``decode_forward``): the captured decode graph of ``batch`` rows
+"""The decode step alone, on CUDA, through the runner's decode graphs
+(``ModelRunner.decode_graphs``: ``load``, ``replay``, ``forward``): the graph of ``batch`` rows
 replayed over ``ctx`` cached tokens a row (in distinct blocks), against its roofline
 (weights read + KV read) / copy bandwidth, the copy bandwidth measured in the same run (a 4 GiB
 device-to-device copy, bytes read + written per second, ``hardware.copy_bandwidth``); given the
@@ -45,10 +45,11 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
     weight_bytes = floor.decode_weight_bytes(model, batch)
     kv_bytes = batch * ctx * floor.kv_bytes_per_token(model, runner.kv_cache.element_size())
     with torch.inference_mode():
-        runner.load_decode_batch(host)
-        runner.decode_forward(batch)
+        graphs, shape = runner.decode_graphs, (batch, batch)
+        graphs.load(host, shape, None)
+        graphs.replay(shape)
         torch.cuda.synchronize()
-        measured = cuda_median_s(lambda: runner.decode_forward(batch), reps=30)
+        measured = cuda_median_s(lambda: graphs.replay(shape), reps=30)
     roofline = (weight_bytes + kv_bytes) / copy_bw
     result = {"batch": batch, "ctx": ctx, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
               "step_s": measured, "roofline_s": roofline, "fraction": roofline / measured}
@@ -93,11 +94,11 @@ def profile_steps(llm: LLM, batch: int, ctx: int, copy_bw: float, prefill_tokens
     runner = llm.engine.runner
     graph = decode_step_roofline(llm, batch, ctx, copy_bw, device)  # fills the static buffers
     with torch.inference_mode():
-        eager_s = cuda_median_s(lambda: runner.decode_forward(batch, replay=False), reps=10)
+        eager_s = cuda_median_s(lambda: runner.decode_graphs.forward((batch, batch)), reps=10)
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                runner.decode_forward(batch, replay=False)
+                runner.decode_graphs.forward((batch, batch))
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
                                       max_name_column_width=60)

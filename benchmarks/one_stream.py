@@ -137,7 +137,7 @@ def main() -> None:
     engine, gaps, ttft = run_one_stream(config, args.prompt, args.tokens)
     model = engine.runner.model
     floor = decode_weight_bytes(model, 1) / bandwidth
-    graph, _ = engine.runner.decode_graphs.graphs[1]
+    graph, _ = engine.runner.graphs[1]
     replay = cuda_median_s(graph.replay, 50)
     device_steps = [t.device_s for t in engine.step_timings[2:] if t.device_s is not None]
     host_steps = [t.host_s for t in engine.step_timings[2:]]

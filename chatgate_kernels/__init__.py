@@ -18,9 +18,10 @@ Layout shared by every backend:
   batch. Query ``j`` of sequence ``i`` sits at position ``seq_lens[i] - q_len_i + j`` and attends
   to keys ``0..position`` (causal over the new tokens, full over the cached prefix).
 
-Per step, a backend's ``attention_plan`` (the torch reference's index work) and
-``decode_row_order`` (Triton's longest-first start order, which changes no result) are made
-once and passed to every layer. Beside attention, the decoder's elementwise steps (RMSNorm with
+Per step, a backend's ``attention_plan`` (the torch reference's index work),
+``decode_row_order`` (Triton's longest-first start order, which changes no result) and
+``extend_tiles`` (Triton's list of extend query tiles) are made once and passed to every
+layer. Beside attention, the decoder's elementwise steps (RMSNorm with
 the residual add, rotary with the cache write, SiLU·mul) are backend ops: one fused Triton
 launch each on CUDA; on the CPU the rotary is the C++ kernel (bit-identical to transformers'),
 the norms and SiLU·mul transformers' op-by-op torch code (the quantized CPU model calls

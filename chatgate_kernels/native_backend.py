@@ -29,8 +29,8 @@ class NativeCpuKernels(ReferenceKernels):
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                         max_query_len: int, max_seq_len: int, out: torch.Tensor | None = None,
                         plan: AttentionPlan | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0,
-                        row_order: torch.Tensor | None = None) -> torch.Tensor:
+                        v_scale: float = 1.0, row_order: torch.Tensor | None = None,
+                        extend_tiles: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(query) if out is None else out
         return self.native.paged_attention(query, key_cache, value_cache, block_tables,
                                            seq_lens, query_start_loc, scale, out)

@@ -30,17 +30,24 @@ class ReferenceKernels:
         (it changes no result); None where rows are taken in order."""
         return None
 
+    def extend_tiles(self, query_start_loc: torch.Tensor, num_tokens: int
+                     ) -> torch.Tensor | None:
+        """The extend launch's work list of a step of ``num_tokens`` query tokens, shared by
+        all its layers (device ops only: a captured step's launch is as large as its bound);
+        None where the kernel takes every sequence."""
+        return None
+
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                         max_query_len: int, max_seq_len: int, out: torch.Tensor | None = None,
                         plan: AttentionPlan | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0,
-                        row_order: torch.Tensor | None = None) -> torch.Tensor:
+                        v_scale: float = 1.0, row_order: torch.Tensor | None = None,
+                        extend_tiles: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache,
         written into ``out`` when given (a static buffer, for CUDA graphs) and returned.
         ``plan``: the step's :meth:`attention_plan`; ``row_order``: its
-        :meth:`decode_row_order`."""
+        :meth:`decode_row_order`; ``extend_tiles``: its :meth:`extend_tiles`."""
         return reference.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
             max_query_len, max_seq_len, out=out, plan=plan, k_scale=k_scale, v_scale=v_scale,

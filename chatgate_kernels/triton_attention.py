@@ -47,10 +47,11 @@ DECODE_CONFIG: dict[str, dict[str, int]] = {
     "32": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
 }
 REDUCE_WARPS = 1  # the split merge is a few hundred bytes per head: one warp is fastest
+EXTEND_BLOCK_M = 64  # query rows of an extend tile, every dtype (the tile map's unit)
 EXTEND_CONFIG: dict[str, dict[str, int]] = {
-    "8": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    "16": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    "32": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+    "8": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    "16": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    "32": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
 }
 # Decode split heuristic, from the H200 sweep in docs/kernels-notes.md.
 MIN_SPLIT_TOKENS = 64  # a decode split reads at least this many tokens
@@ -83,6 +84,24 @@ def num_decode_splits(
     return max(1, min(want, cap, MAX_SPLITS))
 
 
+def extend_tiles(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The extend kernel's tile map of a step of ``num_tokens`` query tokens: ``[tiles, 2]``
+    int32 rows (sequence, query tile) for every ``EXTEND_BLOCK_M``-query tile of each sequence
+    with ``q_len > 1``, a sequence's last tile first, then rows ``(-1, 0)`` up to the bound
+    ``ceil(num_tokens / EXTEND_BLOCK_M) + min(num_seqs, num_tokens // 2)``, which depends on
+    host ints only. Device ops, no host synchronisation (CUDA-graph capturable): the launch
+    is as large as the bound, not the number of sequences times their longest query."""
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    n = q_lens.shape[0]
+    blocks = torch.where(q_lens > 1, (q_lens + EXTEND_BLOCK_M - 1) // EXTEND_BLOCK_M, 0)
+    ends = torch.cumsum(blocks, 0)
+    bound = -(-num_tokens // EXTEND_BLOCK_M) + min(n, num_tokens // 2)
+    t = torch.arange(bound, device=query_start_loc.device)
+    seq = torch.searchsorted(ends, t, right=True).clamp_(max=n - 1)
+    q_block = ends[seq] - 1 - t  # counted back from the sequence's last tile
+    return torch.stack([torch.where(t < ends[-1], seq, -1), q_block], 1).to(torch.int32)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -98,6 +117,7 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     row_order: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged cache.
 
@@ -105,7 +125,8 @@ def paged_attention(
     the extend kernel runs too and each kernel skips the other's rows. ``out`` (optional) must
     have ``query``'s shape and dtype; ``num_splits`` overrides the decode split heuristic;
     ``row_order`` (a permutation of the sequences, e.g. :func:`longest_first`) is the order in
-    which the decode programs start, and changes no result.
+    which the decode programs start, and changes no result; ``tiles`` (:func:`extend_tiles`)
+    launches the extend kernel over its tile map instead of over every sequence.
     Every tensor needs a contiguous last dimension; ``key_cache``/``value_cache`` share strides.
     """
     out = torch.empty_like(query) if out is None else out
@@ -117,7 +138,7 @@ def paged_attention(
                                                   max_seq_len, query.device), max_seq_len,
             row_order)
     if max_query_len > 1:
-        _extend(call, max_query_len)
+        _extend(call, max_query_len, tiles)
     return out
 
 
@@ -219,12 +240,17 @@ def _decode(call: _Call, splits: int, max_seq_len: int,
         )
 
 
-def _extend(call: _Call, max_query_len: int) -> None:
+def _extend(call: _Call, max_query_len: int, tiles: torch.Tensor | None) -> None:
     """The rows with more than one query token (prefill, extend)."""
     cfg = EXTEND_CONFIG[call.bits]
-    grid = (math.ceil(max_query_len / cfg["BLOCK_M"]), call.num_seqs, call.num_heads)
+    if tiles is None:
+        grid = (math.ceil(max_query_len / EXTEND_BLOCK_M), call.num_seqs, call.num_heads)
+    else:
+        grid = (tiles.shape[0], call.num_heads)
     extend_kernel[grid](
-        *call.tensors, call.out, call.qk_scale, call.v_scale, *call.strides,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=max(cfg["BLOCK_N"], call.block_size),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **call.constexprs,
+        *call.tensors, call.out, call.out if tiles is None else tiles, call.qk_scale,
+        call.v_scale, *call.strides,
+        BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=max(cfg["BLOCK_N"], call.block_size),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], TILED=tiles is not None,
+        **call.constexprs,
     )

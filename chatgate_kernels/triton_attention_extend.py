@@ -31,19 +31,28 @@ def _extend_tile(
 @triton.jit
 def extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    qk_scale, v_scale,
+    tiles_ptr, qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch,
     stride_bs, stride_bb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_FP16: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_FP16: tl.constexpr, TILED: tl.constexpr,
 ):
-    """One (query tile, sequence, query head) of a sequence with ``q_len > 1``; the tiles
-    with the most keys (the last ones) are launched first."""
-    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
+    """One (query tile, sequence, query head) of a sequence with ``q_len > 1``. ``TILED``:
+    program ``(t, head)`` takes tile ``t`` of the ``[tiles, 2]`` map (sequence, query tile;
+    sequence -1: none); else program ``(i, seq, head)`` takes tile ``num_programs(0) - 1 - i``.
+    Either way a sequence's tiles with the most keys (the last ones) are launched first."""
+    if TILED:
+        seq = tl.load(tiles_ptr + 2 * tl.program_id(0))
+        q_block = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
+        head = tl.program_id(1)
+        if seq < 0:
+            return
+    else:
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = tl.program_id(1)
+        head = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if q_len <= 1 or q_block * BLOCK_M >= q_len:

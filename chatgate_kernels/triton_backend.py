@@ -28,17 +28,23 @@ class TritonKernels(ReferenceKernels):
         waiting for a long row started last."""
         return triton_attention.longest_first(seq_lens)
 
+    def extend_tiles(self, query_start_loc: torch.Tensor, num_tokens: int
+                     ) -> torch.Tensor | None:
+        """Each extend query tile, so the launch never spans sequences times their longest
+        query (a captured mixed step's would be mostly empty programs)."""
+        return triton_attention.extend_tiles(query_start_loc, num_tokens)
+
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                         max_query_len: int, max_seq_len: int, out: torch.Tensor | None = None,
                         plan: AttentionPlan | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0,
-                        row_order: torch.Tensor | None = None) -> torch.Tensor:
+                        v_scale: float = 1.0, row_order: torch.Tensor | None = None,
+                        extend_tiles: torch.Tensor | None = None) -> torch.Tensor:
         return triton_attention.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
             max_query_len, max_seq_len, out=out, k_scale=k_scale, v_scale=v_scale,
-            row_order=row_order,
+            row_order=row_order, tiles=extend_tiles,
         )
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor,

@@ -53,6 +53,9 @@ class AttentionMetadata:
     # Triton only: the order the decode kernel starts the rows in, longest context first
     # (the backend's ``decode_row_order``)
     row_order: torch.Tensor | None = None
+    # Triton only, steps with a query of several tokens: the extend kernel's tile map (the
+    # backend's ``extend_tiles``)
+    extend_tiles: torch.Tensor | None = None
 
 
 Weight = torch.Tensor | QuantizedLinear
@@ -231,7 +234,7 @@ class LlamaModel:
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, self.scale, meta.max_query_len, meta.max_seq_len,
                 out=meta.attn_out, plan=meta.plan, k_scale=k_scale, v_scale=v_scale,
-                row_order=meta.row_order,
+                row_order=meta.row_order, extend_tiles=meta.extend_tiles,
             )
             x = self._add_norm(self._reduced(_linear(o.reshape(n, -1), layer.o)), h,
                                layer.post_norm, final=False)

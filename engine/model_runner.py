@@ -8,7 +8,9 @@ CUDA graphs (CUDA only, off with ``EngineConfig.enforce_eager``): a pure-decode 
 has one new token) of up to the largest captured batch size replays the decode graph of the
 next padded batch size; with speculative decoding, a step whose rows have at most K + 1 new
 tokens (a verify) and that fits the largest verify graph (``disable_by_batch_size`` rows)
-replays a verify graph (``engine/cuda_graphs.py``). Other steps run eagerly.
+replays a verify graph; any other step without drafts of at most 256 rows (a prompt chunk
+among decode rows) replays the mixed graph of its padded token count
+(``engine/cuda_graphs.py``). Other steps run eagerly.
 
 An FP8 KV cache (``kv_cache_dtype="fp8"``) gets its per-layer scales at start-up, before any
 graph is captured: a forward pass over ``CALIBRATION_TOKENS`` seeded random token ids into a
@@ -25,7 +27,7 @@ import torch
 
 from chatgate_kernels.reference import FP8, FP8_MAX
 from engine.config import EngineConfig
-from engine.cuda_graphs import StepGraphs, capture_step_graphs, padded_batch_size
+from engine.cuda_graphs import Shape, StepGraphs, capture_step_graphs
 from engine.model import AttentionMetadata, LlamaModel
 from engine.scheduler import ScheduledBatch
 from engine.step_timing import NO_CLOCK, NoClock, StepClock
@@ -81,36 +83,44 @@ class ModelRunner:
         self._sampled_turn = 0
         self.decode_graphs: StepGraphs | None = None
         self.verify_graphs: StepGraphs | None = None
+        self.mixed_graphs: StepGraphs | None = None
         # the padded size of the decode graph whose logits the last step returned (every row
         # sampled), else None
         self.last_graph_size: int | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.decode_graphs, self.verify_graphs = capture_step_graphs(
+            self.decode_graphs, self.verify_graphs, self.mixed_graphs = capture_step_graphs(
                 model, self.kv_cache, self.sampled, max_model_len, self.max_blocks_per_seq,
-                config.max_num_seqs, config.speculative_config)
+                config.max_num_seqs, config.max_num_batched_tokens, config.speculative_config)
         if self.device.type == "cuda":
             one_host_thread()
 
-    def _step_graphs(self, host: dict[str, np.ndarray]) -> tuple[StepGraphs, int] | None:
-        """The graphs that run the step ``host`` and the padded batch size, or None (eager)."""
+    def _step_graphs(self, host: dict[str, np.ndarray]) -> tuple[StepGraphs, Shape] | None:
+        """The graphs that run the step ``host`` and the shape it replays, or None (eager)."""
         if host["block_tables"].shape[1] > self.max_blocks_per_seq:
             return None
-        for graphs in (self.decode_graphs, self.verify_graphs):
-            if graphs is not None and host["max_query_len"] <= graphs.query_len:
-                padded = padded_batch_size(len(host["seq_lens"]), graphs.sizes)
-                return None if padded is None else (graphs, padded)
+        rows, tokens = len(host["seq_lens"]), int(host["query_start_loc"][-1])
+        candidates = [self.decode_graphs, self.verify_graphs]
+        if "num_drafts" not in host:  # the mixed graphs give a row's last logits alone
+            candidates.append(self.mixed_graphs)
+        for graphs in candidates:
+            if graphs is not None and host["max_query_len"] <= graphs.max_query_len:
+                shape = graphs.shape_for(rows, tokens)
+                if shape is not None:
+                    return graphs, shape
         return None
 
     @property
     def graphs(self) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
         """The captured decode graphs and their static logits, by padded batch size (none
         without CUDA graphs)."""
-        return self.decode_graphs.graphs if self.decode_graphs is not None else {}
+        if self.decode_graphs is None:
+            return {}
+        return {rows: graph for (rows, _), graph in self.decode_graphs.graphs.items()}
 
     @property
     def graph_sizes(self) -> list[int]:
         """The batch sizes of the captured decode graphs, ascending."""
-        return self.decode_graphs.sizes if self.decode_graphs is not None else []
+        return [rows for rows, _ in self.decode_graphs.shapes] if self.decode_graphs else []
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The KV cache's shape with ``num_blocks`` blocks: ``[2, num_layers, num_blocks,
@@ -298,17 +308,20 @@ class ModelRunner:
         chosen = self._step_graphs(host)
         self.last_graph_size = None
         if chosen is not None and chosen[0] is self.decode_graphs:
-            padded = chosen[1]
-            self.decode_graphs.load(host, n, padded, feed)
-            logits = clock.replay_graph(padded, self.decode_graphs.replay)[:n]
+            graphs, shape = chosen
+            graphs.load(host, shape, feed)
+            padded = shape[0]
+            logits = clock.replay_graph(padded, lambda _: graphs.replay(shape))[:n]
             if sample_indices != list(range(n)):
                 return logits[self._to_device(np.asarray(sample_indices, dtype=np.int64))]
             self.last_graph_size = padded
             return logits
         if chosen is not None:
-            graphs, padded = chosen
-            graphs.load(host, n, padded, feed)
-            return graphs.replay(padded)[self._to_device(self.logit_rows(host, sample_indices))]
+            graphs, shape = chosen
+            graphs.load(host, shape, feed)
+            rows = (np.asarray(sample_indices, dtype=np.int64) if graphs.row_logits
+                    else self.logit_rows(host, sample_indices))
+            return graphs.replay(shape)[self._to_device(rows)]
         block_tables = self._to_device(host["block_tables"])
         seq_lens = self._to_device(host["seq_lens"])
         query_start_loc = self._to_device(host["query_start_loc"])
@@ -324,6 +337,9 @@ class ModelRunner:
                                                    slot_mapping, self.block_size,
                                                    self.model.num_kv_heads),
             row_order=self.model.kernels.decode_row_order(seq_lens),
+            extend_tiles=(self.model.kernels.extend_tiles(query_start_loc,
+                                                          len(host["input_ids"]))
+                          if host["max_query_len"] > 1 else None),
         )
         input_ids = self._to_device(host["input_ids"])
         if feed is not None:
@@ -369,28 +385,3 @@ class ModelRunner:
         if self.device.type == "cpu":
             return tensor
         return tensor.to(self.device, non_blocking=True)
-
-    # -- measurement -------------------------------------------------------------------------
-
-    def load_decode_batch(self, host: dict[str, np.ndarray], feed: np.ndarray | None = None
-                          ) -> int:
-        """Put the pure-decode step ``host`` (:meth:`host_metadata`'s form; ``input_ids``,
-        ``positions``, ``slot_mapping``, ``block_tables`` and ``seq_lens`` are read) into the
-        decode graphs' buffers, padded to the next captured batch size, which is returned.
-        ``ValueError`` without CUDA graphs or past the largest one."""
-        n = len(host["seq_lens"])
-        padded = padded_batch_size(n, self.graph_sizes)
-        if self.decode_graphs is None or padded is None:
-            raise ValueError(f"no decode CUDA graph holds a batch of {n}")
-        self.decode_graphs.load(host, n, padded, feed)
-        return padded
-
-    def decode_forward(self, batch_size: int, replay: bool = True) -> torch.Tensor:
-        """The logits ``[batch_size, vocab]`` of the decode batch last loaded by
-        :meth:`load_decode_batch` (``batch_size``: the padded size it returned): the
-        captured graph replayed, or with ``replay=False`` the same forward run eagerly."""
-        if self.decode_graphs is None:
-            raise ValueError("no decode CUDA graphs (a CPU engine, or enforce_eager)")
-        if replay:
-            return self.decode_graphs.replay(batch_size)
-        return self.decode_graphs.forward(batch_size)

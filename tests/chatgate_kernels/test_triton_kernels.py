@@ -62,8 +62,9 @@ def test_extend(batch_factory, dtype, block_size, group, head_dim) -> None:
 
 def test_extend_many_tiles(batch_factory, monkeypatch) -> None:
     """Small tiles, so one sequence spans several query tiles and unmasked key tiles."""
+    monkeypatch.setattr(triton_attention, "EXTEND_BLOCK_M", 16)
     monkeypatch.setitem(triton_attention.EXTEND_CONFIG, "32",
-                        {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})
+                        {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1})
     seqs = [(45, 100), (37, 37), (16, 17)]
     batch = batch_factory(seqs, num_kv_heads=2, group=2, head_dim=64, block_size=8,
                           dtype=torch.float32, seed=3)
@@ -85,6 +86,38 @@ def test_mixed_batch(batch_factory, dtype, num_splits) -> None:
     assert not torch.isnan(out).any()
     err = ((out.double() - want).norm() / want.norm()).item()
     assert err < BOUND[dtype], f"relative error {err:.2e}"
+
+
+def test_extend_tiles_list_each_query_tile_once_last_first_then_none() -> None:
+    q_lens = [1, 130, 0, 64, 2, 1, 0, 0]  # the last two: padding rows of a captured step
+    starts = torch.tensor([0] + q_lens).cumsum(0)
+    tiles = triton_attention.extend_tiles(starts, num_tokens=198 + 20)  # 20 padding tokens
+    assert tiles.dtype == torch.int32
+    assert tiles.shape[0] == 4 + 8  # ceil(218 / 64) + min(8 rows, 218 // 2)
+    assert tiles[:5].tolist() == [[1, 2], [1, 1], [1, 0], [3, 0], [4, 0]]
+    assert (tiles[5:, 0] == -1).all()
+
+
+@pytest.mark.parametrize("block_m", [64, 16])
+def test_extend_over_the_tile_map_writes_what_the_dense_launch_writes(batch_factory,
+                                                                       monkeypatch,
+                                                                       block_m) -> None:
+    """Decode, empty, prefill and extend rows: launched over ``extend_tiles`` (with spare
+    tiles) the output is bit-identical to the launch over every sequence."""
+    monkeypatch.setattr(triton_attention, "EXTEND_BLOCK_M", block_m)
+    monkeypatch.setitem(triton_attention.EXTEND_CONFIG, "16",
+                        {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1})
+    seqs = [(1, 60), (40, 40), (0, 9), (7, 40), (1, 129), (2, 2)]
+    batch = batch_factory(seqs, num_kv_heads=2, group=2, head_dim=64, block_size=16,
+                          dtype=torch.bfloat16, seed=5)
+    q, k, v, *rest = batch.args(torch.bfloat16)
+    outs = []
+    for tiles in (None, triton_attention.extend_tiles(rest[2], q.shape[0] + 5)):
+        out = torch.full_like(q, float("nan"))
+        triton_attention.paged_attention(q, k, v, *rest, out=out, tiles=tiles)
+        outs.append(out)
+    assert not torch.isnan(outs[0]).any()  # every token row belongs to a sequence
+    assert torch.equal(outs[1], outs[0])
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -1,13 +1,17 @@
 """CPU-runnable checks of the model runner's CUDA-graph helpers, host-side metadata and host
 threads."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 
-from engine.cuda_graphs import graph_batch_sizes, pack_step, padded_batch_size
+from engine.cuda_graphs import (
+    StepGraphs,
+    graph_batch_sizes,
+    mixed_shapes,
+    pack_step,
+    padded_batch_size,
+)
 from engine.model_runner import ModelRunner, one_host_thread
 from engine.scheduler import ScheduledBatch
 
@@ -85,7 +89,7 @@ def test_a_packed_verify_step_puts_its_tokens_first_and_pads_rows_with_no_tokens
             _Seq([20, 21, 22], 2, [5])]                               # plain decode
     host = runner.host_metadata(ScheduledBatch(seqs=seqs, num_new_tokens=[3, 1]))
     packed = np.full((6, 4 * 3 + 1), 99, dtype=np.int64)  # padded to 4 rows of 3 tokens
-    pack_step(packed, host, padded=4, query_len=3, feed=np.array([-1, 5]))
+    pack_step(packed, host, shape=(4, 12), feed=np.array([-1, 5]))
     ids, positions, slots, feed, seq_lens, starts = packed
     assert ids[:12].tolist() == [14, 15, 16, 22] + [0] * 8
     assert positions[:12].tolist() == [4, 5, 6, 2] + [0] * 8
@@ -95,28 +99,46 @@ def test_a_packed_verify_step_puts_its_tokens_first_and_pads_rows_with_no_tokens
     assert starts[:5].tolist() == [0, 3, 4, 4, 4]  # padding rows: no query tokens
 
 
-def _graphs(query_len: int, sizes: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(query_len=query_len, sizes=sizes)
+def _graphs(max_query_len: int, shapes: list[tuple[int, int]]) -> StepGraphs:
+    graphs = StepGraphs.__new__(StepGraphs)  # the selection only: nothing captured
+    graphs.max_query_len, graphs.shapes = max_query_len, shapes
+    return graphs
 
 
-def _step(num_new: list[int], table_width: int = 2) -> dict[str, np.ndarray]:
-    return {"seq_lens": np.full(len(num_new), 9), "max_query_len": max(num_new),
+def _step(num_new: list[int], table_width: int = 2, drafts: bool = False
+          ) -> dict[str, np.ndarray]:
+    host = {"seq_lens": np.full(len(num_new), 9), "max_query_len": max(num_new),
+            "query_start_loc": np.cumsum([0] + num_new),
             "block_tables": np.zeros((len(num_new), table_width), dtype=np.int32)}
+    if drafts:
+        host["num_drafts"] = np.asarray(num_new) - 1
+    return host
 
 
-def test_steps_replay_the_decode_or_verify_graphs_that_hold_them_else_run_eagerly():
+def test_steps_replay_the_smallest_graph_that_holds_them_else_run_eagerly():
     runner = ModelRunner.__new__(ModelRunner)
     runner.max_blocks_per_seq = 8
-    runner.decode_graphs = decode = _graphs(1, [1, 2, 4, 8])
-    runner.verify_graphs = verify = _graphs(5, [1, 2, 4])
-    assert runner._step_graphs(_step([1] * 3)) == (decode, 4)
-    assert runner._step_graphs(_step([1] * 9)) is None  # past the largest decode graph
-    assert runner._step_graphs(_step([5, 1, 3])) == (verify, 4)  # K = 4 drafts and fewer
-    assert runner._step_graphs(_step([2] * 5)) is None  # more rows than speculation runs
-    assert runner._step_graphs(_step([6])) is None  # a prefill chunk longer than K + 1
+    runner.decode_graphs = decode = _graphs(1, [(1, 1), (2, 2), (4, 4), (8, 8)])
+    runner.verify_graphs = verify = _graphs(5, [(1, 5), (2, 10), (4, 20)])
+    runner.mixed_graphs = mixed = _graphs(512, [(8, 256), (8, 512)])
+    assert runner._step_graphs(_step([1] * 3)) == (decode, (4, 4))
+    assert runner._step_graphs(_step([1] * 9)) is None  # more rows than any graph
+    assert runner._step_graphs(_step([5, 1, 3], drafts=True)) == (verify, (4, 20))
+    assert runner._step_graphs(_step([2] * 5, drafts=True)) is None  # drafts need every row
+    assert runner._step_graphs(_step([2] * 5)) == (mixed, (8, 256))
+    assert runner._step_graphs(_step([6])) == (mixed, (8, 256))  # a prompt chunk
+    assert runner._step_graphs(_step([300, 1])) == (mixed, (8, 512))
+    assert runner._step_graphs(_step([600])) is None  # more tokens than any graph
     assert runner._step_graphs(_step([1], table_width=9)) is None  # wider than captured
-    runner.verify_graphs = None
+    runner.verify_graphs = runner.mixed_graphs = None
     assert runner._step_graphs(_step([3])) is None
+
+
+def test_mixed_graphs_pad_tokens_to_multiples_of_256_up_to_the_step_budget():
+    assert mixed_shapes(256, 2048) == [(256, t) for t in range(256, 2049, 256)]
+    assert mixed_shapes(256, 32768)[-1] == (256, 8192)  # larger steps run eagerly
+    assert mixed_shapes(1024, 600) == [(256, 256), (256, 512), (256, 768)]
+    assert mixed_shapes(4, 256) == [(4, 256)]
 
 
 def test_fused_forward_matches_unfused_and_shares_weights():

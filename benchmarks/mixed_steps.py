@@ -1,0 +1,145 @@
+"""Steps with a prompt chunk among decode rows, with the mixed CUDA graphs and without.
+
+Engine only (no gateway), on CUDA. First the logits of such steps, through their mixed graph
+and eagerly (the eager result goes on): the largest difference and the rows whose argmax
+differs. Then a closed loop like a serving load: ``--num-requests`` requests of
+``--output-len`` tokens (seeded sampling, ``ignore_eos``), ``--concurrency`` in flight, a new
+one queued as each finishes, so the steps that admit prompts also carry decode rows; run with
+the mixed graphs and with them off (eager), in turn, twice each, for each prompt length of
+``--prompt-lens`` (random token ids, a few tokens apart).
+
+    python benchmarks/mixed_steps.py --model dummy:smollm2-135m --tokenizer DIR   # on a GPU
+Results: ``mixed_steps.txt``/``.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import torch  # noqa: E402
+
+from benchmarks._common import add_out_argument, open_log, table  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+
+def check_logits(llm: LLM, prompts: list[list[int]], log) -> dict[str, float]:
+    """Requests admitted eight at a time among decoding ones (greedy): each step that replays
+    a mixed graph is run eagerly too."""
+    engine, runner = llm.engine, llm.engine.runner
+    graphs, run_step = runner.mixed_graphs, runner.run_step
+    diffs: list[float] = []
+    rows = agree = 0
+
+    def both(*args):
+        nonlocal rows, agree
+        chosen = runner._step_graphs(args[0])
+        if chosen is None or chosen[0] is not graphs:
+            return run_step(*args)
+        graph = run_step(*args).float()
+        runner.mixed_graphs = None
+        eager = run_step(*args)
+        runner.mixed_graphs = graphs
+        diff = (graph - eager.float()).abs()
+        diffs.append(float(diff[diff.isfinite()].max()))  # -inf past the vocabulary in both
+        rows += eager.shape[0]
+        agree += int((graph.argmax(-1) == eager.argmax(-1)).sum())
+        return eager
+
+    runner.run_step = both
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"check{i}", prompt, SamplingParams(temperature=0, max_tokens=24,
+                                                                    ignore_eos=True))
+            if i % 8 == 7:
+                engine.step()
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        runner.run_step = run_step
+    result = {"steps": len(diffs), "max_logit_difference": max(diffs, default=0.0),
+              "argmax_equal": agree, "rows": rows}
+    log(f"mixed graph vs eager: {len(diffs)} steps, max |logit difference| "
+        f"{result['max_logit_difference']:.4f}, argmax equal in {agree}/{rows} rows")
+    return result
+
+
+def closed_loop(llm: LLM, prompts: list[list[int]], args: argparse.Namespace, tag: str
+                ) -> tuple[float, float]:
+    """Output tokens per second and mean milliseconds per step of the closed loop."""
+    engine = llm.engine
+
+    def add(i: int) -> None:
+        engine.add_request(f"{tag}{i}", prompts[i], SamplingParams(
+            temperature=0.8, seed=i, max_tokens=args.output_len, ignore_eos=True))
+
+    start, tokens, steps = time.perf_counter(), 0, 0
+    issued = min(args.concurrency, len(prompts))
+    for i in range(issued):
+        add(i)
+    while engine.has_unfinished():
+        steps += 1
+        for output in engine.step():
+            tokens += len(output.outputs[0].token_ids)
+            if output.finished and issued < len(prompts):
+                add(issued)
+                issued += 1
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    return tokens / wall, wall / steps * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="dummy:smollm2-135m")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer folder for a dummy model")
+    p.add_argument("--num-requests", type=int, default=1024)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--prompt-lens", default="40,1024")
+    p.add_argument("--num-kv-blocks", type=int, default=40000)
+    add_out_argument(p)
+    args = p.parse_args(argv)
+    log, stem = open_log(args.out, "mixed_steps", False, argv)
+    llm = LLM(args.model, tokenizer=args.tokenizer, device="cuda", dtype="bfloat16",
+              max_num_seqs=args.concurrency, num_kv_blocks=args.num_kv_blocks)
+    graphs = llm.engine.runner.mixed_graphs
+    if graphs is None:
+        raise SystemExit("no mixed CUDA graphs (needs CUDA, without enforce_eager)")
+    rng = random.Random(0)
+    vocab = llm.engine.runner.model.vocab_size
+
+    def prompts(length: int) -> list[list[int]]:
+        return [[rng.randrange(1000, vocab - 1000) for _ in range(length + rng.randrange(8))]
+                for _ in range(args.num_requests)]
+
+    results: dict[str, object] = {"check": check_logits(llm, prompts(40)[:96], log)}
+    rows = []
+    for length in [int(x) for x in args.prompt_lens.split(",")]:
+        chats = prompts(length)
+        runs: dict[str, list[tuple[float, float]]] = {"graphs": [], "eager": []}
+        for k, name in enumerate(["graphs", "graphs", "eager", "eager", "graphs"]):
+            llm.engine.runner.mixed_graphs = graphs if name == "graphs" else None
+            tok_s, step_ms = closed_loop(llm, chats, args, f"p{length}r{k}")
+            if k:  # the first run warms up
+                runs[name].append((tok_s, step_ms))
+            log(f"  prompt ~{length}, {name}: {tok_s:.0f} tok/s, {step_ms:.2f} ms/step")
+        llm.engine.runner.mixed_graphs = graphs
+        mean = {name: sum(t for t, _ in r) / len(r) for name, r in runs.items()}
+        results[f"prompt_{length}"] = runs
+        rows.append([f"~{length}", f"{mean['graphs']:.0f}", f"{mean['eager']:.0f}",
+                     f"{mean['graphs'] / mean['eager']:.2f}"])
+    log(table(rows, ["prompt tokens", "mixed graphs tok/s", "eager tok/s", "ratio"]))
+    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
