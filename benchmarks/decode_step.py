@@ -41,7 +41,8 @@ def decode_step_roofline(llm: LLM, batch: int, ctx: int, copy_bw: float,
     host = {"input_ids": np.zeros(batch, dtype=np.int64),
             "positions": np.full(batch, ctx - 1, dtype=np.int64),
             "slot_mapping": tables[:, -1].astype(np.int64) * bs + (ctx - 1) % bs,
-            "block_tables": tables, "seq_lens": np.full(batch, ctx, dtype=np.int32)}
+            "block_tables": tables, "seq_lens": np.full(batch, ctx, dtype=np.int32),
+            "query_start_loc": np.arange(batch + 1, dtype=np.int32)}
     weight_bytes = floor.decode_weight_bytes(model, batch)
     kv_bytes = batch * ctx * floor.kv_bytes_per_token(model, runner.kv_cache.element_size())
     with torch.inference_mode():
