@@ -26,34 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from benchmarks._common import add_out_argument, open_log, table  # noqa: E402
+from benchmarks.graph_check import GraphVsEager  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 
 def check_logits(llm: LLM, prompts: list[list[int]], log) -> dict[str, float]:
     """Requests admitted eight at a time among decoding ones (greedy): each step that replays
     a mixed graph is run eagerly too."""
-    engine, runner = llm.engine, llm.engine.runner
-    graphs, run_step = runner.mixed_graphs, runner.run_step
-    diffs: list[float] = []
-    rows = agree = 0
-
-    def both(*args):
-        nonlocal rows, agree
-        chosen = runner._step_graphs(args[0])
-        if chosen is None or chosen[0] is not graphs:
-            return run_step(*args)
-        graph = run_step(*args).float()
-        runner.mixed_graphs = None
-        eager = run_step(*args)
-        runner.mixed_graphs = graphs
-        diff = (graph - eager.float()).abs()
-        diffs.append(float(diff[diff.isfinite()].max()))  # -inf past the vocabulary in both
-        rows += eager.shape[0]
-        agree += int((graph.argmax(-1) == eager.argmax(-1)).sum())
-        return eager
-
-    runner.run_step = both
-    try:
+    engine = llm.engine
+    with GraphVsEager(engine.runner, "mixed_graphs") as check:
         for i, prompt in enumerate(prompts):
             engine.add_request(f"check{i}", prompt, SamplingParams(temperature=0, max_tokens=24,
                                                                     ignore_eos=True))
@@ -61,13 +42,9 @@ def check_logits(llm: LLM, prompts: list[list[int]], log) -> dict[str, float]:
                 engine.step()
         while engine.has_unfinished():
             engine.step()
-    finally:
-        runner.run_step = run_step
-    result = {"steps": len(diffs), "max_logit_difference": max(diffs, default=0.0),
-              "argmax_equal": agree, "rows": rows}
-    log(f"mixed graph vs eager: {len(diffs)} steps, max |logit difference| "
-        f"{result['max_logit_difference']:.4f}, argmax equal in {agree}/{rows} rows")
-    return result
+    log(check.summary("mixed"))
+    return {"steps": len(check.diffs), "max_logit_difference": max(check.diffs, default=0.0),
+            "argmax_equal": check.agree, "rows": check.rows}
 
 
 def closed_loop(llm: LLM, prompts: list[list[int]], args: argparse.Namespace, tag: str

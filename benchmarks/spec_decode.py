@@ -256,33 +256,13 @@ def verify_cost(args, log) -> list[list[object]]:
 
 def check_verify_graphs(engine, step_ms, log) -> None:
     """Run verify steps of K = 1, 3 and 8 drafts through the verify graph and eagerly (the
-    eager result goes on) and log how their logits differ: the largest difference and the rows
-    whose argmax differs."""
-    runner = engine.runner
-    graphs, run_step = runner.verify_graphs, runner.run_step
-    diffs: list[float] = []
-    rows = agree = 0
+    eager result goes on) and log how their logits differ."""
+    from benchmarks.graph_check import GraphVsEager
 
-    def both(*args):
-        nonlocal rows, agree
-        graph = run_step(*args).float()
-        runner.verify_graphs = None
-        eager = run_step(*args)
-        runner.verify_graphs = graphs
-        diff = (graph - eager.float()).abs()
-        diffs.append(float(diff[diff.isfinite()].max()))  # -inf past the vocabulary in both
-        rows += eager.shape[0]
-        agree += int((graph.argmax(-1) == eager.argmax(-1)).sum())
-        return eager
-
-    runner.run_step = both
-    try:
+    with GraphVsEager(engine.runner, "verify_graphs") as check:
         for k in (1, 3, 8):
             step_ms(k, steps=3)
-    finally:
-        runner.run_step = run_step
-    log(f"verify graph vs eager: max |logit difference| {max(diffs):.4f}, argmax equal in "
-        f"{agree}/{rows} rows")
+    log(check.summary("verify"))
 
 
 def quantization(args: argparse.Namespace) -> str | None:

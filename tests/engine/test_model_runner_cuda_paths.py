@@ -69,12 +69,17 @@ def test_host_metadata_pure_decode():
     assert "num_drafts" not in host
 
 
-def test_host_metadata_speculative_rows_feed_the_drafts_after_the_last_token():
+def _verify_step() -> dict[str, np.ndarray]:
+    """A verify step's host metadata: a last token with 2 drafts, and a plain decode row."""
     runner = ModelRunner.__new__(ModelRunner)
     runner.block_size = 4
-    seqs = [_Seq([10, 11, 12, 13, 14], 4, [3, 6], drafts=[15, 16]),  # last token + 2 drafts
-            _Seq([20, 21, 22], 2, [5])]                               # plain decode
-    host = runner.host_metadata(ScheduledBatch(seqs=seqs, num_new_tokens=[3, 1]))
+    seqs = [_Seq([10, 11, 12, 13, 14], 4, [3, 6], drafts=[15, 16]),
+            _Seq([20, 21, 22], 2, [5])]
+    return runner.host_metadata(ScheduledBatch(seqs=seqs, num_new_tokens=[3, 1]))
+
+
+def test_host_metadata_speculative_rows_feed_the_drafts_after_the_last_token():
+    host = _verify_step()
     assert host["input_ids"].tolist() == [14, 15, 16, 22]
     assert host["positions"].tolist() == [4, 5, 6, 2]
     assert host["slot_mapping"].tolist() == [6 * 4 + 0, 6 * 4 + 1, 6 * 4 + 2, 5 * 4 + 2]
@@ -83,11 +88,7 @@ def test_host_metadata_speculative_rows_feed_the_drafts_after_the_last_token():
 
 
 def test_a_packed_verify_step_puts_its_tokens_first_and_pads_rows_with_no_tokens():
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.block_size = 4
-    seqs = [_Seq([10, 11, 12, 13, 14], 4, [3, 6], drafts=[15, 16]),  # last token + 2 drafts
-            _Seq([20, 21, 22], 2, [5])]                               # plain decode
-    host = runner.host_metadata(ScheduledBatch(seqs=seqs, num_new_tokens=[3, 1]))
+    host = _verify_step()
     packed = np.full((6, 4 * 3 + 1), 99, dtype=np.int64)  # padded to 4 rows of 3 tokens
     pack_step(packed, host, shape=(4, 12), feed=np.array([-1, 5]))
     ids, positions, slots, feed, seq_lens, starts = packed
