@@ -52,6 +52,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from benchmarks._common import (  # noqa: E402
@@ -118,6 +120,12 @@ class Level:
     itl_p99: float = float("nan")
     tokens_per_chunk: float = float("nan")
     frontend_us_per_chunk: float = float("nan")  # gateway processes' CPU time per chunk
+    # the engine process's loop over the level (/metrics' engine_* counters; NaN where the
+    # served code has none): time per step, share of steps with a prompt, seconds in steps
+    # per second of the level
+    engine_ms_per_step: float = float("nan")
+    engine_prompt_share: float = float("nan")
+    engine_busy: float = float("nan")
 
 
 def summarize(model: str, path: str, concurrency: int, results: list[Request],
@@ -333,6 +341,20 @@ class Server:
                 continue
         return ticks / os.sysconf("SC_CLK_TCK")
 
+    def engine_loop(self) -> tuple[float, float, float]:
+        """The engine loop's counters from /metrics, once the engine has gone idle (its last
+        stats snapshot): steps, steps with a prompt, seconds in steps (NaN where absent)."""
+        names = ("steps", "prompt_steps", "step_seconds")
+        values = {}
+        for _ in range(100):
+            text = httpx.get(self.url + "/metrics", timeout=30).text
+            values = {line.split("{")[0]: float(line.rsplit(None, 1)[1])
+                      for line in text.splitlines() if line.startswith("chatgate:")}
+            if values.get("chatgate:num_requests_running", 0) == 0:
+                break
+            time.sleep(0.05)
+        return tuple(values.get(f"chatgate:engine_{n}_total", float("nan")) for n in names)
+
     def wait_ready(self, timeout: float = 900) -> None:
         wait_until_ok(self.url + "/healthz", self.proc, timeout, Path(self.log.name))
 
@@ -387,16 +409,29 @@ def _direct_levels(model: str, requests: list[list[dict]],
                              ignore_eos=True) for i in range(len(requests))]
     warm = requests[:args.warmup]
     llm.chat(warm, [SamplingParams(max_tokens=8, ignore_eos=True)] * len(warm))
+    engine, counts = llm.engine, {"steps": 0, "prompt": 0}
+    step = engine.step
+
+    def counted_step() -> list:  # the steps LLM.chat takes, as the serving loop counts them
+        prefill = engine.num_prefill_tokens
+        outputs = step()
+        counts["steps"] += 1
+        counts["prompt"] += engine.num_prefill_tokens > prefill
+        return outputs
+
+    engine.step = counted_step
     levels = []
     for c in sorted(args.concurrency, reverse=True):
-        llm.engine.scheduler.max_num_seqs = c  # at most c sequences in flight
+        engine.scheduler.max_num_seqs = c  # at most c sequences in flight
+        counts.update(steps=0, prompt=0)
         start = time.monotonic()
         outs = llm.chat(requests, params)  # returns once every token is on the host
         wall = time.monotonic() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         errors = sum(len(o.outputs[0].token_ids) != args.output_len for o in outs)
         levels.append(Level(model, "direct", c, len(requests), tokens, errors, wall,
-                            tokens / wall))
+                            tokens / wall, engine_ms_per_step=ratio(wall * 1e3, counts["steps"]),
+                            engine_prompt_share=ratio(counts["prompt"], counts["steps"])))
     return levels
 
 
@@ -410,7 +445,8 @@ def direct(model: str, args: argparse.Namespace, log: Tee) -> list[Level]:
         levels = [Level(**row) for row in json.loads(out.read_text())]
     for level in levels:
         log(f"  direct   C={level.concurrency:<4} {level.tok_s:9.0f} tok/s  "
-            f"({level.wall_s:.1f} s)")
+            f"({level.wall_s:.1f} s, {level.engine_ms_per_step:.2f} ms/step, "
+            f"{level.engine_prompt_share:.0%} with a prompt)")
     return levels
 
 
@@ -475,18 +511,25 @@ def _serve_count(model: str, requests: list[list[dict]], args: argparse.Namespac
             for transport in args.transports:
                 for name, server in servers.items():
                     path = (transport if name == "new" else f"{transport} {name}") + suffix
-                    cpu = server.gateway_cpu_s()
+                    cpu, loop = server.gateway_cpu_s(), server.engine_loop()
                     results = load(server.url, model, transport, requests,
                                    c, args)
                     level = summarize(model, path, c, results, args.output_len)
                     chunks = sum(len(r.gaps) + 1 for r in results if not r.error)
                     level.frontend_us_per_chunk = ratio(
                         (server.gateway_cpu_s() - cpu) * 1e6, chunks)
+                    steps, prompt_steps, seconds = (
+                        b - a for a, b in zip(loop, server.engine_loop(), strict=True))
+                    level.engine_ms_per_step = ratio(seconds * 1e3, steps)
+                    level.engine_prompt_share = ratio(prompt_steps, steps)
+                    level.engine_busy = ratio(seconds, level.wall_s)
                     levels.append(level)
                     log(f"  {path:<8} C={c:<4} {level.tok_s:9.0f} tok/s  TTFT p50 "
                         f"{level.ttft_p50:.3f} s  ITL p50 {level.itl_p50 * 1000:.1f} ms  "
                         f"{level.tokens_per_chunk:.2f} tok/chunk  gateway "
-                        f"{level.frontend_us_per_chunk:.0f} CPU-us/chunk  errors {level.errors}")
+                        f"{level.frontend_us_per_chunk:.0f} CPU-us/chunk  engine "
+                        f"{level.engine_ms_per_step:.2f} ms/step ({level.engine_busy:.0%} busy, "
+                        f"{level.engine_prompt_share:.0%} with a prompt)  errors {level.errors}")
         turns = {}
         if args.turns_sessions and with_turns:
             turns = multi_turn(model, servers["new"].url, args)
@@ -556,7 +599,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="load-generator processes (each runs an asyncio client)")
     p.add_argument("--warmup", type=int, default=64, help="untimed requests before timing")
     p.add_argument("--code", default=None, metavar="REF",
-                   help="also serve the code at this git ref (same flags, same load)")
+                   help="also serve the code at this git ref, or in this folder (same flags, "
+                        "same load)")
     p.add_argument("--no-direct", action="store_true")
     p.add_argument("--turns-sessions", type=int, default=128, help="0: no multi-turn run")
     p.add_argument("--turns", type=int, default=6)
@@ -593,8 +637,9 @@ def main(argv: list[str] | None = None) -> int:
     turns: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         codes = {"new": ROOT}
-        if args.code:
-            codes[args.code] = checkout(args.code, Path(tmp))
+        if args.code:  # a git ref, or a folder holding another tree (a machine without git)
+            codes[Path(args.code).name] = (Path(args.code).resolve() if Path(args.code).is_dir()
+                                           else checkout(args.code, Path(tmp)))
         for model in args.models:
             log(f"== {model}")
             if not args.no_direct:
@@ -607,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
                      and d.concurrency == lv.concurrency), float("nan"))
         rows.append([lv.model, lv.path, lv.concurrency, lv.tok_s, ratio(lv.tok_s, base),
                      lv.ttft_p50, lv.ttft_p99, lv.itl_p50 * 1000, lv.itl_p99 * 1000,
-                     lv.tokens_per_chunk, lv.frontend_us_per_chunk, lv.errors])
+                     lv.tokens_per_chunk, lv.frontend_us_per_chunk, lv.engine_ms_per_step,
+                     lv.engine_prompt_share, lv.engine_busy, lv.errors])
     (args.out / "gpu_serving.json").write_text(json.dumps(
         {"argv": sys.argv[1:] if argv is None else argv, "machine": machine_info(),
          "levels": [asdict(lv) for lv in levels], "multi_turn": turns}, indent=1))
@@ -621,7 +667,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"p99 {row['ttft_later_p99']:.3f} s, prompt computed "
                 f"{row['computed_fraction_later']:.1%}, errors {row['errors']}")
     log(table(rows, ["model", "path", "C", "tok/s", "/direct", "TTFT p50 s", "TTFT p99 s",
-                     "ITL p50 ms", "ITL p99 ms", "tok/chunk", "gw CPU-us/chunk", "errors"]))
+                     "ITL p50 ms", "ITL p99 ms", "tok/chunk", "gw CPU-us/chunk",
+                     "engine ms/step", "prompt steps", "engine busy", "errors"]))
     log(side_by_side(levels))
     log.close()
     return 0

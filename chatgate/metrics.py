@@ -61,8 +61,19 @@ class _EngineCollector(Collector):
         yield self._counter("num_preemptions",
                             "Requests preempted (recomputed) for lack of KV blocks.",
                             s.num_preemptions)
+        yield from self._engine_loop(s)
         yield from self._host_tier(s)
         yield from self._spec_decode(s)
+
+    def _engine_loop(self, s: EngineStats) -> Iterable[CounterMetricFamily]:
+        """The engine process's steps: their rate, their share with a prompt, and how busy
+        the loop is (seconds in steps per second)."""
+        yield self._counter("engine_steps", "Engine steps (one forward pass each).",
+                            s.engine_steps)
+        yield self._counter("engine_prompt_steps", "Engine steps that computed prompt tokens.",
+                            s.engine_prompt_steps)
+        yield self._counter("engine_step_seconds", "Seconds the engine process spent in steps.",
+                            s.engine_step_seconds)
 
     def _spec_decode(self, s: EngineStats) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         """Speculative decoding (--speculative-config; zeros when off), vLLM's names."""

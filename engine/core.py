@@ -77,6 +77,8 @@ class EngineCore:
         self._done: set[int] = set()  # clients that sent Shutdown
         self._stats_at = 0.0
         self._changed = False  # since the last stats snapshot
+        self._steps = self._prompt_steps = 0
+        self._step_seconds = 0.0
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -164,19 +166,21 @@ class EngineCore:
             del self._locks[session_id]
 
     def _step(self) -> None:
-        """One engine step; at debug level, a log line with its time and token counts."""
+        """One engine step, counted (steps, those with prompt tokens, seconds: the stats'
+        ``engine_*``); at debug level, a log line with its time and token counts."""
         self._changed = True
         engine = self.engine
-        debug = logger.isEnabledFor(logging.DEBUG)
-        if debug:
-            began = time.perf_counter()
-            prefill, decode = engine.num_prefill_tokens, engine.num_decode_tokens
+        began = time.perf_counter()
+        prefill, decode = engine.num_prefill_tokens, engine.num_decode_tokens
         try:
             self._pending.outputs.extend(engine.step())
-            if debug:
+            seconds = time.perf_counter() - began
+            self._steps += 1
+            self._prompt_steps += engine.num_prefill_tokens > prefill
+            self._step_seconds += seconds
+            if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("step %.1f ms: %d prefill + %d decode tokens, %d running, "
-                             "%d waiting", (time.perf_counter() - began) * 1e3,
-                             engine.num_prefill_tokens - prefill,
+                             "%d waiting", seconds * 1e3, engine.num_prefill_tokens - prefill,
                              engine.num_decode_tokens - decode,
                              len(engine.scheduler.running), len(engine.scheduler.waiting))
         except WorkerDied as error:
@@ -206,7 +210,9 @@ class EngineCore:
         now = time.monotonic()
         busy = self.engine.has_unfinished()
         if self._changed and (not busy or now - self._stats_at >= STATS_INTERVAL_S):
-            pending.stats = self.engine.stats()
+            pending.stats = msgspec.structs.replace(
+                self.engine.stats(), engine_steps=self._steps,
+                engine_prompt_steps=self._prompt_steps, engine_step_seconds=self._step_seconds)
             self._stats_at = now
             self._changed = False
         if len(self.inboxes) == 1:

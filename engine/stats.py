@@ -37,6 +37,11 @@ class EngineStats(msgspec.Struct, frozen=True):
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # the engine process's loop while serving (0 in an offline ``LLM``, whose caller steps it):
+    # the steps it took, those that computed prompt tokens, and the seconds spent in them
+    engine_steps: int = 0
+    engine_prompt_steps: int = 0
+    engine_step_seconds: float = 0.0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -110,6 +110,10 @@ def test_gpu_serving_quick(tmp_path, tiny_model, capsys):
     assert paths == {(p, c) for p in ("direct", "sse", "ws", "sse x2", "ws x2")
                      for c in (1, 3)}
     assert all(lv["errors"] == 0 and lv["tokens"] == 6 * 4 for lv in raw["levels"])
+    # the engine's loop, counted on every path (NaN fails these)
+    assert all(lv["engine_ms_per_step"] > 0 and 0 < lv["engine_prompt_share"] <= 1
+               for lv in raw["levels"])
+    assert all(lv["engine_busy"] > 0 for lv in raw["levels"] if lv["path"] != "direct")
     turns = raw["multi_turn"][tiny_model]
     assert turns["session_id"]["errors"] == turns["no session_id"]["errors"] == 0
     pytest.importorskip("matplotlib")

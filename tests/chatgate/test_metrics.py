@@ -24,6 +24,9 @@ NAMES = [
     "chatgate:generation_tokens_total",
     "chatgate:num_pinned_sessions",
     "chatgate:kv_cache_waste_perc",
+    "chatgate:engine_steps_total",
+    "chatgate:engine_prompt_steps_total",
+    "chatgate:engine_step_seconds_total",
 ]
 
 
@@ -82,6 +85,14 @@ def test_metrics_move_with_traffic(server):
     assert delta("chatgate:prefix_cache_queries_total") == 2 * usage["prompt_tokens"]
     assert delta("chatgate:prefix_cache_hits_total") >= usage["prompt_tokens_details"][
         "cached_tokens"] > 0
+    # the engine loop's counters (from the idle snapshot): one prompt step per request at least,
+    # and a step per generated token at least (the requests ran one after the other)
+    assert gauges["chatgate:engine_prompt_steps_total"] - before[
+        "chatgate:engine_prompt_steps_total"] >= 2
+    assert gauges["chatgate:engine_steps_total"] - before["chatgate:engine_steps_total"] >= \
+        delta("chatgate:generation_tokens_total")
+    assert gauges["chatgate:engine_step_seconds_total"] > before[
+        "chatgate:engine_step_seconds_total"]
 
 
 def test_running_and_kv_gauges_follow_a_live_request(server):
