@@ -4,6 +4,9 @@
 //
 // - paged_attention: every row of a varlen batch (decode and extend) reads its keys and values
 //   through the block table in place, with float32 scores and accumulators; no gathered copy.
+//   With AVX-512 and head_dim 64 or 128, a sequence's query tokens (up to 16 per work item) load
+//   each key once for all their heads, and each row computes exactly as a one-token decode step
+//   over its keys: a verify step's or an extend's rows have the bits of decode steps'.
 // - rotary_and_cache: rotates query heads in place and writes rotated keys and values into their
 //   cache slots, in one pass.
 // - add_rms_norm / silu_and_mul: the decoder's elementwise steps in one pass each, for the
@@ -11,7 +14,8 @@
 // - int4_linear / int8_linear: products with Q4_1-style weights (4-bit codes in groups of 32,
 //   each group with a scale and a minimum), activations quantized to int8 per group of 32
 //   (Q8_1) and multiplied in integer dot products, as llama.cpp multiplies a Q4_1 tensor;
-//   int8_linear likewise with int8 weights and one scale per output row. The dot products run
+//   int8_linear likewise with int8 weights and one scale per output row (with AVX512-VNNI one
+//   pass over each block of 16 weight rows serves up to 8 activation rows). The dot products run
 //   as AVX512-VNNI (dpbusd) or AVX2 (maddubs + madd; int4 with weight rows interleaved by 8,
 //   see int4_pack), a plain loop elsewhere. Both prefetch the rows ahead: cold weights are
 //   the time of a decode step.
@@ -101,7 +105,8 @@ void check_rows(const at::Tensor& t, const char* name) {
 // without a fork and join (which waits for a thread another process holds, on a shared CPU).
 constexpr int64_t kInlineTokens = 64;
 // Attention of fewer (query row, key) pairs than this (a one-row decode step's) runs on the
-// calling thread, for the same reason.
+// calling thread, for the same reason; 16 times as many where multi_heads serves items of
+// several query tokens (a verify step's), which load each key and value once for all rows.
 constexpr int64_t kParallelPairs = 4096;
 
 // One unit of attention work: query tokens [begin, end) of one sequence against one KV head.
@@ -138,22 +143,24 @@ inline __m512 load16f(const BF16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// One decode token's heads against one KV head's cache, for a head_dim of 16 * V: the keys
-// ``n`` of the sequence visited block by block through ``table`` (no division per key, the
-// next block's rows prefetched), float32 scores and softmax, then each head's values in
-// registers. ``q``: ``heads`` rows of 16 * V floats; ``cache_row``: the elements between two
-// slots' rows; ``head``: this KV head's offset in a slot's row. Writes ``out`` (heads rows).
-template <typename C, int V>
-void decode_heads(const float* q, int64_t heads, const C* kc, const C* vc, const int32_t* table,
-                  int64_t block_size, int64_t cache_row, int64_t head, int64_t n, float scale,
-                  float* scores, float* out) {
+// Query rows against one KV head's keys, for a head_dim of 16 * V: row r is query token
+// r / group, which sees keys [0, first + r / group + 1), the last row ``longest`` of them (with
+// ``kOneToken``, rows == group: every row sees them all, without the per-key test). The
+// keys are visited block by block through ``table`` (no division per key, the next block's keys
+// and values prefetched), each loaded once for all the rows that see it. ``q``: ``rows`` rows of
+// 16 * V floats; ``cache_row``: the elements between two slots' rows; ``head``: this KV head's
+// offset in a slot's row. Writes the float32 scores, row r at ``scores + r * longest``.
+template <typename C, int V, bool kOneToken>
+inline void score_rows(const float* q, int64_t rows, int64_t group, const C* kc, const C* vc,
+                       const int32_t* table, int64_t block_size, int64_t cache_row, int64_t head,
+                       int64_t first, int64_t longest, float scale, float* scores) {
   constexpr int64_t dim = 16 * V, lines = dim * sizeof(C) / 64;
-  for (int64_t b = 0, p = 0; p < n; ++b) {
+  for (int64_t b = 0, p = 0; p < longest; ++b) {
     const int64_t base = static_cast<int64_t>(table[b]) * block_size;
-    const int64_t end = std::min(n, p + block_size);
-    if (end < n) {
+    const int64_t end = std::min(longest, p + block_size);
+    if (end < longest) {
       const int64_t next = static_cast<int64_t>(table[b + 1]) * block_size;
-      for (int64_t j = 0; j < std::min(block_size, n - end); ++j) {
+      for (int64_t j = 0; j < std::min(block_size, longest - end); ++j) {
         for (int64_t l = 0; l < lines; ++l) {
           __builtin_prefetch(kc + (next + j) * cache_row + head + l * 64 / sizeof(C));
           __builtin_prefetch(vc + (next + j) * cache_row + head + l * 64 / sizeof(C));
@@ -164,29 +171,49 @@ void decode_heads(const float* q, int64_t heads, const C* kc, const C* vc, const
       const C* k = kc + slot * cache_row + head;
       __m512 kv[V];
       for (int c = 0; c < V; ++c) kv[c] = load16f(k + 16 * c);
-      for (int64_t r = 0; r < heads; ++r) {
+      // the rows that see key p
+      const int64_t from = kOneToken ? 0 : std::max<int64_t>(0, p - first) * group;
+      for (int64_t r = from; r < rows; ++r) {
         const float* x = q + r * dim;
         __m512 s = _mm512_mul_ps(_mm512_loadu_ps(x), kv[0]);
         for (int c = 1; c < V; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * c), kv[c], s);
-        scores[r * n + p] = _mm512_reduce_add_ps(s) * scale;
+        scores[r * longest + p] = _mm512_reduce_add_ps(s) * scale;
       }
     }
   }
+}
+
+// A score row's first n entries to e^(s - max), in place; returns 1 / their sum.
+inline float softmax_row(float* row, int64_t n) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t p = 0; p < n; p += 16) {
+    const __mmask16 m = n - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - p)) - 1);
+    top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + p));
+  }
+  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t p = 0; p < n; p += 16) {
+    const __mmask16 m = n - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - p)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + p), peak));
+    _mm512_mask_storeu_ps(row + p, m, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+// One decode token's heads against one KV head's cache, for a head_dim of 16 * V: the ``n``
+// keys' scores (score_rows), then each head's softmax and values in registers. Writes ``out``
+// (heads rows of 16 * V floats).
+template <typename C, int V>
+void decode_heads(const float* q, int64_t heads, const C* kc, const C* vc, const int32_t* table,
+                  int64_t block_size, int64_t cache_row, int64_t head, int64_t n, float scale,
+                  float* scores, float* out) {
+  constexpr int64_t dim = 16 * V;
+  score_rows<C, V, true>(q, heads, heads, kc, vc, table, block_size, cache_row, head, n - 1, n,
+                         scale, scores);
   for (int64_t r = 0; r < heads; ++r) {
     float* row = scores + r * n;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t p = 0; p < n; p += 16) {
-      const __mmask16 m = n - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - p)) - 1);
-      top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + p));
-    }
-    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t p = 0; p < n; p += 16) {
-      const __mmask16 m = n - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - p)) - 1);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + p), peak));
-      _mm512_mask_storeu_ps(row + p, m, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
-    }
+    const __m512 inv = _mm512_set1_ps(softmax_row(row, n));
     __m512 acc[V];
     for (int c = 0; c < V; ++c) acc[c] = _mm512_setzero_ps();
     for (int64_t b = 0, p = 0; p < n; ++b) {
@@ -197,25 +224,103 @@ void decode_heads(const float* q, int64_t heads, const C* kc, const C* vc, const
         for (int c = 0; c < V; ++c) acc[c] = _mm512_fmadd_ps(w, load16f(v + 16 * c), acc[c]);
       }
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
     for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + r * dim + 16 * c, _mm512_mul_ps(acc[c], inv));
+  }
+}
+
+// Several query tokens' heads against one KV head's cache (a verify step's or an extend's rows:
+// row r is token r / group, which sees keys [0, first + r / group + 1)), each row with exactly
+// decode_heads' arithmetic, so each token's output has the bits of a one-token decode step over
+// its keys. The keys are loaded once for all rows (score_rows), the values once per tile of
+// ``kTile`` rows, whose accumulators stay in registers. Writes ``out`` (rows rows).
+template <typename C, int V>
+void multi_heads(const float* q, int64_t rows, int64_t group, const C* kc, const C* vc,
+                 const int32_t* table, int64_t block_size, int64_t cache_row, int64_t head,
+                 int64_t first, float scale, float* scores, float* out) {
+  constexpr int64_t dim = 16 * V, kTile = V == 4 ? 4 : 2;  // kTile * V accumulators
+  const int64_t longest = first + (rows - 1) / group + 1;
+  auto count = [&](int64_t r) { return first + r / group + 1; };  // keys row r sees
+  score_rows<C, V, false>(q, rows, group, kc, vc, table, block_size, cache_row, head, first,
+                          longest, scale, scores);
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int64_t tile = std::min(kTile, rows - r0);
+    float inv[kTile];
+    for (int64_t t = 0; t < tile; ++t) {
+      inv[t] = softmax_row(scores + (r0 + t) * longest, count(r0 + t));
+    }
+    __m512 acc[kTile][V];
+    for (int t = 0; t < kTile; ++t)
+      for (int c = 0; c < V; ++c) acc[t][c] = _mm512_setzero_ps();
+    const int64_t n_all = count(r0), n_max = count(r0 + tile - 1);  // rows ascend in keys
+    for (int64_t b = 0, p = 0; p < n_max; ++b) {
+      const int64_t end = std::min(n_max, p + block_size);
+      for (int64_t slot = static_cast<int64_t>(table[b]) * block_size; p < end; ++p, ++slot) {
+        const C* v = vc + slot * cache_row + head;
+        __m512 vv[V];
+        for (int c = 0; c < V; ++c) vv[c] = load16f(v + 16 * c);
+        if (tile == kTile && p < n_all) {  // a full tile whose rows all see p
+          for (int t = 0; t < kTile; ++t) {
+            const __m512 w = _mm512_set1_ps(scores[(r0 + t) * longest + p]);
+            for (int c = 0; c < V; ++c) acc[t][c] = _mm512_fmadd_ps(w, vv[c], acc[t][c]);
+          }
+        } else {
+          for (int t = 0; t < tile; ++t) {
+            if (p >= count(r0 + t)) continue;
+            const __m512 w = _mm512_set1_ps(scores[(r0 + t) * longest + p]);
+            for (int c = 0; c < V; ++c) acc[t][c] = _mm512_fmadd_ps(w, vv[c], acc[t][c]);
+          }
+        }
+      }
+    }
+    for (int t = 0; t < tile; ++t) {
+      const __m512 scale_t = _mm512_set1_ps(inv[t]);
+      for (int c = 0; c < V; ++c)
+        _mm512_storeu_ps(out + (r0 + t) * dim + 16 * c, _mm512_mul_ps(acc[t][c], scale_t));
+    }
+  }
+}
+
+// One KV head's item: decode_heads for one query token, multi_heads for several.
+template <typename C, int V>
+inline void query_heads(const float* q, int64_t rows, int64_t group, const C* kc, const C* vc,
+                        const int32_t* table, int64_t block_size, int64_t cache_row, int64_t head,
+                        int64_t first, float scale, float* scores, float* out) {
+  if (rows == group) {
+    decode_heads<C, V>(q, rows, kc, vc, table, block_size, cache_row, head, first + 1, scale,
+                       scores, out);
+  } else {
+    multi_heads<C, V>(q, rows, group, kc, vc, table, block_size, cache_row, head, first, scale,
+                      scores, out);
   }
 }
 #endif
 
-// decode_heads where it runs (AVX-512, a single query token, head_dim 64 or 128): true if it
-// wrote ``out``.
-template <typename C>
-inline bool decode_fast(bool single, const float* q, int64_t heads, const C* kc, const C* vc,
-                        const int32_t* table, int64_t block_size, int64_t cache_row, int64_t head,
-                        int64_t n, int64_t dim, float scale, float* scores, float* out) {
+// Whether attention_fast runs for this head_dim: with AVX-512, 64 or 128.
+inline bool fast_head_dim(int64_t dim) {
 #if defined(__AVX512F__)
-  if (single && dim == 64) {
-    decode_heads<C, 4>(q, heads, kc, vc, table, block_size, cache_row, head, n, scale, scores, out);
+  return dim == 64 || dim == 128;
+#else
+  (void)dim;
+  return false;
+#endif
+}
+
+// query_heads where it runs (fast_head_dim): true if it wrote ``out``. ``first``: the keys before
+// the item's first query token.
+template <typename C>
+inline bool attention_fast(const float* q, int64_t rows, int64_t group, const C* kc, const C* vc,
+                           const int32_t* table, int64_t block_size, int64_t cache_row,
+                           int64_t head, int64_t first, int64_t dim, float scale, float* scores,
+                           float* out) {
+#if defined(__AVX512F__)
+  if (dim == 64) {
+    query_heads<C, 4>(q, rows, group, kc, vc, table, block_size, cache_row, head, first, scale,
+                      scores, out);
     return true;
   }
-  if (single && dim == 128) {
-    decode_heads<C, 8>(q, heads, kc, vc, table, block_size, cache_row, head, n, scale, scores, out);
+  if (dim == 128) {
+    query_heads<C, 8>(q, rows, group, kc, vc, table, block_size, cache_row, head, first, scale,
+                      scores, out);
     return true;
   }
 #endif
@@ -252,11 +357,17 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
     }
   }
   int64_t work = 0;  // (query row, key) pairs
+  bool several = false;  // an item of more than one query token
   for (const Item& it : items) {
     work += (it.end - it.begin) * group * (lens[it.seq] - (starts[it.seq + 1] - starts[it.seq]) + it.end);
+    several = several || it.end - it.begin > 1;
   }
+  // multi_heads loads each key and value once for all of an item's rows: a verify step's few
+  // query tokens cost little more than a decode step's one, and stay on the calling thread too.
+  const int64_t inline_pairs =
+      several && fast_head_dim(dim) ? 16 * kParallelPairs : kParallelPairs;
   const int64_t count = static_cast<int64_t>(items.size());
-  at::parallel_for(0, count, work < kParallelPairs ? count + 1 : 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, count, work < inline_pairs ? count + 1 : 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf, scores, acc;
     for (int64_t i = lo; i < hi; ++i) {
       const Item& it = items[i];
@@ -272,8 +383,9 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
         const Q* src = q + token * q_row + (it.kv_head * group + r % group) * q_head;
         for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] = to_float(src[d]);
       }
-      if (!decode_fast(rows == group, qf.data(), rows, kc, vc, table, block_size, kv_heads * dim,
-                       it.kv_head * dim, longest, dim, scale, scores.data(), acc.data())) {
+      if (!attention_fast(qf.data(), rows, group, kc, vc, table, block_size, kv_heads * dim,
+                          it.kv_head * dim, first + it.begin, dim, scale, scores.data(),
+                          acc.data())) {
         auto slot_of = [&](int64_t p) {
           return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
         };
@@ -1044,10 +1156,10 @@ constexpr bool kUnsignedBias = true;
 // and one register of weights serves every activation row of the tile. Block b, inputs 4c..4c+3
 // (quad c): 64 bytes at (b * k / 4 + c) * 64, row j's four codes at byte 4j.
 constexpr int64_t kLanes = 16;
-constexpr int64_t kRowsTile = 8;  // activation rows per pass over a block
-// A product of fewer weights than this (counting each 8 activation rows as one more pass) runs
-// on the calling thread: at one or two rows, streaming half a megabyte takes about as long as
-// waking a second thread.
+constexpr int64_t kRowsTile = 8;  // most activation rows per pass over a block
+// A product of fewer weights than this runs on the calling thread: up to kRowsTile rows stream
+// the weights once (each row past them counts as 1 / kRowsTile pass more), and streaming half
+// a megabyte takes about as long as waking a second thread.
 constexpr int64_t kParallelWeights = 1 << 19;
 inline bool int8_blocked(int64_t n) { return n % kLanes == 0; }
 
@@ -1095,7 +1207,8 @@ void int8_blocked_kernel(const QuantizedRows& act, const std::vector<float>& bia
   const float* scale = row_scales.data_ptr<float>();
   O* o = out.data_ptr<O>();
   const int64_t o_row = out.stride(0), block_bytes = kLanes * k, blocks = n / kLanes;
-  const bool small = n * k * (8 + rows) / 8 < kParallelWeights;
+  const int64_t passes = kRowsTile + std::max<int64_t>(0, rows - kRowsTile);  // in 1 / kRowsTile
+  const bool small = n * k * passes / kRowsTile < kParallelWeights;
   at::parallel_for(0, blocks, small ? blocks + 1 : 4, [&](int64_t lo, int64_t hi) {
     __m512 result[kRowsTile];
     alignas(64) float lanes[kLanes];
@@ -1104,13 +1217,17 @@ void int8_blocked_kernel(const QuantizedRows& act, const std::vector<float>& bia
       const __m512 s = _mm512_loadu_ps(scale + b * kLanes);
       for (int64_t m = 0; m < rows;) {
         const int64_t left = rows - m;
-        const int tile = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const int tile = static_cast<int>(std::min(left, kRowsTile));  // one pass for 1..8 rows
         const uint8_t* ahead = m == 0 && b + 1 < hi ? w + block_bytes : nullptr;
         const int8_t* qm = act.q.data() + m * k;
         const float* dm = act.d.data() + m * groups;
         switch (tile) {
           case 8: int8_block_rows<8>(w, groups, qm, k, dm, groups, ahead, result); break;
+          case 7: int8_block_rows<7>(w, groups, qm, k, dm, groups, ahead, result); break;
+          case 6: int8_block_rows<6>(w, groups, qm, k, dm, groups, ahead, result); break;
+          case 5: int8_block_rows<5>(w, groups, qm, k, dm, groups, ahead, result); break;
           case 4: int8_block_rows<4>(w, groups, qm, k, dm, groups, ahead, result); break;
+          case 3: int8_block_rows<3>(w, groups, qm, k, dm, groups, ahead, result); break;
           case 2: int8_block_rows<2>(w, groups, qm, k, dm, groups, ahead, result); break;
           default: int8_block_rows<1>(w, groups, qm, k, dm, groups, ahead, result); break;
         }

@@ -49,6 +49,27 @@ def test_paged_attention_takes_float32_queries_over_a_bfloat16_cache_into_bfloat
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 4, 128)])
+@pytest.mark.parametrize("q_len", [6, 20])  # a verify step's tokens; more than a work item's 16
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_each_query_token_of_a_sequence_has_the_bits_of_a_decode_step(
+        batch_factory, kv_heads, group, head_dim, q_len, cache_dtype) -> None:
+    """``q_len`` query tokens of one sequence after 300 cached (a verify step's): each token's
+    output equals, bit for bit, a one-token decode call for it over the keys it sees."""
+    batch = batch_factory([(q_len, 300 + q_len)], num_kv_heads=kv_heads, group=group,
+                          head_dim=head_dim, block_size=16, dtype=torch.float32)
+    key_cache, value_cache = batch.key_cache.to(cache_dtype), batch.value_cache.to(cache_dtype)
+    got = native().paged_attention(batch.query, key_cache, value_cache, batch.block_tables,
+                                   batch.seq_lens, batch.query_start_loc, batch.scale,
+                                   torch.full_like(batch.query, float("nan")))
+    for j in range(q_len):
+        decode = native().paged_attention(
+            batch.query[j:j + 1], key_cache, value_cache, batch.block_tables,
+            torch.tensor([301 + j], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+            batch.scale, torch.full_like(batch.query[:1], float("nan")))
+        assert torch.equal(got[j], decode[0]), f"query token {j}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_and_cache_is_transformers_rotary_bit_for_bit(dtype) -> None:
     """Rotated query (in place) and cached key equal transformers' ``apply_rotary_pos_emb``
@@ -142,6 +163,22 @@ def test_int8_linear_is_the_int8_by_q8_product(n: int, rows: int) -> None:
     assert torch.equal(native().int8_unpack(codes), (weight.to(torch.int16) + 128).to(torch.uint8))
     native().int8_linear(x, codes, row_scales, out)
     torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("n", [320, 300])  # with AVX512-VNNI: blocks of 16 rows, and rows
+def test_int8_linear_gives_each_of_1_to_8_rows_the_bits_it_has_alone(n: int) -> None:
+    """M = 1..8 activation rows (with AVX512-VNNI one pass over each weight block for all of
+    them): each row's output equals that row's product computed alone (M = 1)."""
+    gen = torch.Generator().manual_seed(19)
+    weight = torch.randint(-127, 128, (n, 256), generator=gen, dtype=torch.int8)
+    row_scales, x = torch.rand(n, generator=gen), torch.randn(8, 256, generator=gen) * 5
+    codes = native().int8_pack((weight.to(torch.int16) + 128).to(torch.uint8))
+    alone = [native().int8_linear(x[r:r + 1], codes, row_scales, torch.empty(1, n))[0]
+             for r in range(8)]
+    for m in range(1, 9):
+        out = native().int8_linear(x[:m], codes, row_scales, torch.empty(m, n))
+        for r in range(m):
+            assert torch.equal(out[r], alone[r]), f"row {r} of {m}"
 
 
 def test_a_lock_left_by_a_killed_build_does_not_stall_the_next_load() -> None:
