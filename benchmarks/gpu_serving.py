@@ -416,7 +416,7 @@ def _direct_levels(model: str, requests: list[list[dict]],
         prefill = engine.num_prefill_tokens
         outputs = step()
         counts["steps"] += 1
-        counts["prompt"] += engine.num_prefill_tokens > prefill
+        counts["prompt"] += int(engine.num_prefill_tokens > prefill)
         return outputs
 
     engine.step = counted_step

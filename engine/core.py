@@ -176,7 +176,7 @@ class EngineCore:
             self._pending.outputs.extend(engine.step())
             seconds = time.perf_counter() - began
             self._steps += 1
-            self._prompt_steps += engine.num_prefill_tokens > prefill
+            self._prompt_steps += int(engine.num_prefill_tokens > prefill)
             self._step_seconds += seconds
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("step %.1f ms: %d prefill + %d decode tokens, %d running, "
