@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
@@ -348,8 +349,9 @@ class Server:
         values = {}
         for _ in range(100):
             text = httpx.get(self.url + "/metrics", timeout=30).text
-            values = {line.split("{")[0]: float(line.rsplit(None, 1)[1])
-                      for line in text.splitlines() if line.startswith("chatgate:")}
+            values = {sample.name: sample.value
+                      for family in text_string_to_metric_families(text)
+                      for sample in family.samples}
             if values.get("chatgate:num_requests_running", 0) == 0:
                 break
             time.sleep(0.05)
