@@ -26,7 +26,9 @@ Results: ``spec_decode.txt``/``.json`` in ``--out``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -204,10 +206,13 @@ def lossless(plain, spec, n: int, max_tokens: int, log, batching: bool = False
     return result
 
 
+VERIFY_ROUNDS = 5
+
+
 def verify_cost(args, log) -> list[list[object]]:
     """A ``--verify-context``-token sequence decoding: the time of a step with K forced drafts,
     through the verify CUDA graph and run eagerly, against a plain decode step (a CUDA graph
-    where there is one)."""
+    where there is one); each the median of ``VERIFY_ROUNDS`` rounds over every K."""
     import torch
 
     from engine import LLM, SamplingParams
@@ -218,17 +223,23 @@ def verify_cost(args, log) -> list[list[object]]:
               speculative_config={"method": "ngram", "num_speculative_tokens": 8})
     engine = llm.engine
     prompt = [100 + i % 1000 for i in range(args.verify_context)]
-    engine.add_request("v", prompt, SamplingParams(temperature=0, max_tokens=100000,
-                                                   ignore_eos=True))
-    engine.step()  # the prefill
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
     graphs = engine.runner.verify_graphs
+    requests = itertools.count()
 
     def step_ms(k: int, eager: bool = False, steps: int = 30) -> float:
+        """A fresh request of the prompt (its KV from the prefix cache after the first), so
+        that every measurement starts at the same context."""
         def propose(running: list) -> None:
             for seq in running:
                 seq.draft_token_ids = [seq.token_ids[-1]] * k
+        for request_id in list(engine.requests):
+            engine.abort(request_id)
         engine.speculator.propose = propose
+        engine.speculator.active = lambda running, in_flight: False
+        engine.add_request(f"v{next(requests)}", prompt, SamplingParams(
+            temperature=0, max_tokens=100000, ignore_eos=True))
+        engine.step()  # the prefill
         engine.speculator.active = lambda running, in_flight: k > 0  # K = 0: overlapped decode
         engine.runner.verify_graphs = None if eager else graphs
         for _ in range(3):
@@ -242,11 +253,16 @@ def verify_cost(args, log) -> list[list[object]]:
 
     if graphs is not None:
         check_verify_graphs(engine, step_ms, log)
-    decode = step_ms(0)
+    rounds: list[list[float]] = [[] for _ in range(17)]  # decode, then (eager, graph) per K
+    for _ in range(VERIFY_ROUNDS):  # in turn, so that the host's drift weighs on all alike
+        rounds[0].append(step_ms(0))
+        for k in range(1, 9):
+            rounds[2 * k - 1].append(step_ms(k, eager=True))
+            rounds[2 * k].append(step_ms(k) if graphs is not None else rounds[2 * k - 1][-1])
+    decode, *costs = [statistics.median(times) for times in rounds]
     rows = [["decode", "-", f"{decode:.2f}", "1.00", "-"]]
     for k in range(1, 9):
-        eager = step_ms(k, eager=True)
-        cost = step_ms(k) if graphs is not None else eager
+        eager, cost = costs[2 * k - 2], costs[2 * k - 1]
         rows.append([f"verify K={k}", f"{eager:.2f}", f"{cost:.2f}", f"{cost / decode:.2f}",
                      f"{(1 + min(k, args.accepted_per_verify)) * decode / cost:.2f}"])
     log(table(rows, ["step", "eager ms", "graph ms", "graph vs decode",

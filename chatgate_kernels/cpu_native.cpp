@@ -143,18 +143,47 @@ inline __m512 load16f(const BF16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// The lane sums of 16 vectors: lane j of the result is the sum of s[j]'s 16 lanes, added as
+// _mm512_reduce_add_ps adds one vector's (lane i + lane i + 8, then + 4, + 2, + 1), so each sum
+// has its bits, for 15 adds and 31 shuffles in all where _mm512_reduce_add_ps spends about as
+// many on one.
+inline __m512 sum_lanes16(const __m512* s) {
+  __m512 t8[8], t4[4], t2[2];
+  for (int j = 0; j < 8; ++j) {  // [lo(s_j), lo(s_j+8)] + [hi(s_j), hi(s_j+8)]
+    t8[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[j], s[j + 8], 0x44),
+                          _mm512_shuffle_f32x4(s[j], s[j + 8], 0xEE));
+  }
+  for (int j = 0; j < 4; ++j) {  // 128-bit chunks: s_j, s_j+4, s_j+8, s_j+12 (4 partials each)
+    t4[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t8[j], t8[j + 4], 0x88),
+                          _mm512_shuffle_f32x4(t8[j], t8[j + 4], 0xDD));
+  }
+  for (int j = 0; j < 2; ++j) {  // within chunks: 2 partials of two vectors each
+    t2[j] = _mm512_add_ps(_mm512_shuffle_ps(t4[j], t4[j + 2], 0x44),
+                          _mm512_shuffle_ps(t4[j], t4[j + 2], 0xEE));
+  }
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(t2[0], t2[1], 0x88),
+                                    _mm512_shuffle_ps(t2[0], t2[1], 0xDD));
+  // lane l holds vector order[l], and order is its own inverse
+  return _mm512_permutexvar_ps(
+      _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), sums);
+}
+
 // Query rows against one KV head's keys, for a head_dim of 16 * V: row r is query token
 // r / group, which sees keys [0, first + r / group + 1), the last row ``longest`` of them (with
-// ``kOneToken``, rows == group: every row sees them all, without the per-key test). The
-// keys are visited block by block through ``table`` (no division per key, the next block's keys
-// and values prefetched), each loaded once for all the rows that see it. ``q``: ``rows`` rows of
-// 16 * V floats; ``cache_row``: the elements between two slots' rows; ``head``: this KV head's
-// offset in a slot's row. Writes the float32 scores, row r at ``scores + r * longest``.
+// ``kOneToken``, rows == group: every row sees them all). The keys are visited block by block
+// through ``table`` (no division per key, the next block's keys and values prefetched). One
+// token: each key is loaded once for its rows, each score one lane sum. Several tokens (whose
+// rows outnumber the keys' conversions): 16 keys at a time converted to float once, then each
+// row's 16 dot products summed together (sum_lanes16: the same bits); a row also scores the
+// keys of its 16 past the last it sees (written, and never read by its softmax). ``q``: ``rows``
+// rows of 16 * V floats; ``cache_row``: the elements between two slots' rows; ``head``: this KV
+// head's offset in a slot's row. Writes the float32 scores, row r at ``scores + r * longest``.
 template <typename C, int V, bool kOneToken>
 inline void score_rows(const float* q, int64_t rows, int64_t group, const C* kc, const C* vc,
                        const int32_t* table, int64_t block_size, int64_t cache_row, int64_t head,
                        int64_t first, int64_t longest, float scale, float* scores) {
   constexpr int64_t dim = 16 * V, lines = dim * sizeof(C) / 64;
+  alignas(64) float keys[kOneToken ? 1 : 16 * dim];
   for (int64_t b = 0, p = 0; p < longest; ++b) {
     const int64_t base = static_cast<int64_t>(table[b]) * block_size;
     const int64_t end = std::min(longest, p + block_size);
@@ -167,17 +196,41 @@ inline void score_rows(const float* q, int64_t rows, int64_t group, const C* kc,
         }
       }
     }
-    for (int64_t slot = base; p < end; ++p, ++slot) {
-      const C* k = kc + slot * cache_row + head;
-      __m512 kv[V];
-      for (int c = 0; c < V; ++c) kv[c] = load16f(k + 16 * c);
-      // the rows that see key p
-      const int64_t from = kOneToken ? 0 : std::max<int64_t>(0, p - first) * group;
-      for (int64_t r = from; r < rows; ++r) {
-        const float* x = q + r * dim;
-        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(x), kv[0]);
-        for (int c = 1; c < V; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * c), kv[c], s);
-        scores[r * longest + p] = _mm512_reduce_add_ps(s) * scale;
+    if constexpr (kOneToken) {
+      for (int64_t slot = base; p < end; ++p, ++slot) {
+        const C* k = kc + slot * cache_row + head;
+        __m512 kv[V];
+        for (int c = 0; c < V; ++c) kv[c] = load16f(k + 16 * c);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* x = q + r * dim;
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(x), kv[0]);
+          for (int c = 1; c < V; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * c), kv[c], s);
+          scores[r * longest + p] = _mm512_reduce_add_ps(s) * scale;
+        }
+      }
+      continue;
+    }
+    for (int64_t n; p < end; p += n) {
+      n = std::min<int64_t>(16, end - p);
+      const C* k0 = kc + (base + p % block_size) * cache_row + head;
+      for (int64_t j = 0; j < 16; ++j) {  // past n: zeros, so every row scores 16 keys
+        for (int c = 0; c < V; ++c) {
+          _mm512_store_ps(keys + j * dim + 16 * c,
+                          j < n ? load16f(k0 + j * cache_row + 16 * c) : _mm512_setzero_ps());
+        }
+      }
+      const __mmask16 mask = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+      // the rows that see key p (the others see none of these)
+      for (int64_t r = std::max<int64_t>(0, p - first) * group; r < rows; ++r) {
+        __m512 x[V], s[16];
+        for (int c = 0; c < V; ++c) x[c] = _mm512_loadu_ps(q + r * dim + 16 * c);
+        for (int j = 0; j < 16; ++j) {
+          const float* k = keys + j * dim;
+          s[j] = _mm512_mul_ps(x[0], _mm512_load_ps(k));
+          for (int c = 1; c < V; ++c) s[j] = _mm512_fmadd_ps(x[c], _mm512_load_ps(k + 16 * c), s[j]);
+        }
+        _mm512_mask_storeu_ps(scores + r * longest + p, mask,
+                              _mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale)));
       }
     }
   }
