@@ -43,8 +43,8 @@ from engine.sequence import Sequence
 # measure it anew at little cost). While a step is in flight (overlapped scheduling), looking
 # means reading it first, so it is only done for a sequence that found drafts in the last
 # ``QUIET_STEPS`` steps, or for a probe. Steps count whether or not anything drafts. On the
-# 2-core CPU a verify of K = 4 drafts costs 1.4 decode steps, of one 1.05 (docs/benchmarks.md):
-# drafts pay once 0.4 of 4 are accepted.
+# 2-core CPU a verify of K = 4 drafts costs 1.35 decode steps, of one 1.15 (docs/benchmarks.md):
+# drafts pay once 0.35 of 4 are accepted.
 EMA_WEIGHT = 0.3
 MIN_ACCEPTANCE = 0.3
 QUIET_STEPS = 8
