@@ -253,16 +253,19 @@ def verify_cost(args, log) -> list[list[object]]:
 
     if graphs is not None:
         check_verify_graphs(engine, step_ms, log)
-    rounds: list[list[float]] = [[] for _ in range(17)]  # decode, then (eager, graph) per K
+    # (K, eager): K = 0 is the decode step; eager apart only where there are verify graphs
+    shapes = [(0, False)] + [(k, eager) for k in range(1, 9)
+                             for eager in ((True, False) if graphs is not None else (True,))]
+    times: dict[tuple[int, bool], list[float]] = {shape: [] for shape in shapes}
     for _ in range(VERIFY_ROUNDS):  # in turn, so that the host's drift weighs on all alike
-        rounds[0].append(step_ms(0))
-        for k in range(1, 9):
-            rounds[2 * k - 1].append(step_ms(k, eager=True))
-            rounds[2 * k].append(step_ms(k) if graphs is not None else rounds[2 * k - 1][-1])
-    decode, *costs = [statistics.median(times) for times in rounds]
+        for k, eager in shapes:
+            times[k, eager].append(step_ms(k, eager))
+    ms = {shape: statistics.median(t) for shape, t in times.items()}
+    decode = ms[0, False]
     rows = [["decode", "-", f"{decode:.2f}", "1.00", "-"]]
     for k in range(1, 9):
-        eager, cost = costs[2 * k - 2], costs[2 * k - 1]
+        eager = ms[k, True]
+        cost = ms.get((k, False), eager)
         rows.append([f"verify K={k}", f"{eager:.2f}", f"{cost:.2f}", f"{cost / decode:.2f}",
                      f"{(1 + min(k, args.accepted_per_verify)) * decode / cost:.2f}"])
     log(table(rows, ["step", "eager ms", "graph ms", "graph vs decode",
