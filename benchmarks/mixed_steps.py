@@ -6,9 +6,13 @@ differs. Then a closed loop like a serving load: ``--num-requests`` requests of
 ``--output-len`` tokens (seeded sampling, ``ignore_eos``), ``--concurrency`` in flight, a new
 one queued as each finishes, so the steps that admit prompts also carry decode rows; run with
 the mixed graphs and with them off (eager), in turn, twice each, for each prompt length of
-``--prompt-lens`` (random token ids, a few tokens apart).
+``--prompt-lens`` (random token ids, a few tokens apart). The first requests start together, so
+they also end together; with ``--stagger`` they arrive one per step, as a served load's do, and
+then nearly every step admits a prompt; a step profile of that loop comes first (per kind of
+step: count, host and device ms, the step's sections).
 
     python benchmarks/mixed_steps.py --model dummy:smollm2-135m --tokenizer DIR   # on a GPU
+    python benchmarks/mixed_steps.py --model dummy:smollm2-135m --tokenizer DIR --stagger
 Results: ``mixed_steps.txt``/``.json`` in ``--out``.
 """
 
@@ -47,29 +51,60 @@ def check_logits(llm: LLM, prompts: list[list[int]], log) -> dict[str, float]:
             "argmax_equal": check.agree, "rows": check.rows}
 
 
-def closed_loop(llm: LLM, prompts: list[list[int]], args: argparse.Namespace, tag: str
-                ) -> tuple[float, float]:
-    """Output tokens per second and mean milliseconds per step of the closed loop."""
+def closed_loop(llm: LLM, prompts: list[list[int]], args: argparse.Namespace, tag: str,
+                stagger: bool = False) -> tuple[float, float]:
+    """Output tokens per second and mean milliseconds per step of the closed loop. With
+    ``stagger`` the first requests arrive one per step, as a served load's do, so that later
+    nearly every step admits one prompt among its decode rows."""
     engine = llm.engine
+    limit = min(args.concurrency, len(prompts))
+    issued = 0
 
-    def add(i: int) -> None:
-        engine.add_request(f"{tag}{i}", prompts[i], SamplingParams(
-            temperature=0.8, seed=i, max_tokens=args.output_len, ignore_eos=True))
+    def add() -> None:
+        nonlocal issued
+        engine.add_request(f"{tag}{issued}", prompts[issued], SamplingParams(
+            temperature=0.8, seed=issued, max_tokens=args.output_len, ignore_eos=True))
+        issued += 1
 
     start, tokens, steps = time.perf_counter(), 0, 0
-    issued = min(args.concurrency, len(prompts))
-    for i in range(issued):
-        add(i)
+    for _ in range(1 if stagger else limit):
+        add()
     while engine.has_unfinished():
         steps += 1
+        if stagger and issued < limit:
+            add()
         for output in engine.step():
             tokens += len(output.outputs[0].token_ids)
             if output.finished and issued < len(prompts):
-                add(issued)
-                issued += 1
+                add()
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     return tokens / wall, wall / steps * 1e3
+
+
+def step_profile(llm: LLM, prompts: list[list[int]], args: argparse.Namespace, log) -> dict:
+    """The staggered closed loop with step timing on: per kind of step (with a prompt chunk
+    or decode rows only), the count and mean host, device and section milliseconds."""
+    engine = llm.engine
+    engine.step_timings = []
+    closed_loop(llm, prompts, args, "profile", stagger=True)
+    timings, engine.step_timings = engine.step_timings[args.concurrency:], None
+    profile = {}
+    for kind in ("prompt", "decode"):
+        steps = [t for t in timings if (t.tokens_computed > t.rows) == (kind == "prompt")]
+        if not steps:
+            continue
+        row = {"steps": len(steps),
+               "host_ms": sum(t.host_s for t in steps) / len(steps) * 1e3,
+               "device_ms": sum(t.device_s or 0.0 for t in steps) / len(steps) * 1e3,
+               "decode_graph_share": sum(t.graph_size is not None for t in steps) / len(steps)}
+        for t in steps:
+            for name, seconds in t.sections.items():
+                row[name] = row.get(name, 0.0) + seconds * 1e3 / len(steps)
+        profile[kind] = row
+        log(f"  {kind} steps: " + ", ".join(
+            f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    return profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--prompt-lens", default="40,1024")
     p.add_argument("--num-kv-blocks", type=int, default=40000)
+    p.add_argument("--stagger", action="store_true",
+                   help="the first requests arrive one per step (a served load's steady state); "
+                        "with a step profile first")
     add_out_argument(p)
     args = p.parse_args(argv)
     log, stem = open_log(args.out, "mixed_steps", False, argv)
@@ -98,13 +136,15 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(args.num_requests)]
 
     results: dict[str, object] = {"check": check_logits(llm, prompts(40)[:96], log)}
+    if args.stagger:
+        results["profile"] = step_profile(llm, prompts(40), args, log)
     rows = []
     for length in [int(x) for x in args.prompt_lens.split(",")]:
         chats = prompts(length)
         runs: dict[str, list[tuple[float, float]]] = {"graphs": [], "eager": []}
         for k, name in enumerate(["graphs", "graphs", "eager", "eager", "graphs"]):
             llm.engine.runner.mixed_graphs = graphs if name == "graphs" else None
-            tok_s, step_ms = closed_loop(llm, chats, args, f"p{length}r{k}")
+            tok_s, step_ms = closed_loop(llm, chats, args, f"p{length}r{k}", args.stagger)
             if k:  # the first run warms up
                 runs[name].append((tok_s, step_ms))
             log(f"  prompt ~{length}, {name}: {tok_s:.0f} tok/s, {step_ms:.2f} ms/step")
