@@ -4,9 +4,10 @@
 //
 // - paged_attention: every row of a varlen batch (decode and extend) reads its keys and values
 //   through the block table in place, with float32 scores and accumulators; no gathered copy.
-//   With AVX-512 and head_dim 64 or 128, a sequence's query tokens (up to 16 per work item) load
-//   each key once for all their heads, and each row computes exactly as a one-token decode step
-//   over its keys: a verify step's or an extend's rows have the bits of decode steps'.
+//   With AVX-512 or AVX2 and head_dim 64 or 128, a sequence's query tokens (up to 16 per work
+//   item) load each key once for all their heads, and each row computes exactly as a one-token
+//   decode step over its keys: a verify step's or an extend's rows have the bits of decode
+//   steps'.
 // - rotary_and_cache: rotates query heads in place and writes rotated keys and values into their
 //   cache slots, in one pass.
 // - add_rms_norm / silu_and_mul: the decoder's elementwise steps in one pass each, for the
@@ -14,10 +15,10 @@
 // - int4_linear / int8_linear: products with Q4_1-style weights (4-bit codes in groups of 32,
 //   each group with a scale and a minimum), activations quantized to int8 per group of 32
 //   (Q8_1) and multiplied in integer dot products, as llama.cpp multiplies a Q4_1 tensor;
-//   int8_linear likewise with int8 weights and one scale per output row (with AVX512-VNNI one
-//   pass over each block of 16 weight rows serves up to 8 activation rows). The dot products run
-//   as AVX512-VNNI (dpbusd) or AVX2 (maddubs + madd; int4 with weight rows interleaved by 8,
-//   see int4_pack), a plain loop elsewhere. Both prefetch the rows ahead: cold weights are
+//   int8_linear likewise with int8 weights and one scale per output row (blocked by 16 weight
+//   rows with AVX512-VNNI, by 8 with AVX2: one pass over a block serves up to 8 or 4 activation
+//   rows). The dot products run as AVX512-VNNI (dpbusd) or AVX2 (maddubs + madd; int4 with
+//   weight rows interleaved by 8, see int4_pack), a plain loop elsewhere. Both prefetch the rows ahead: cold weights are
 //   the time of a decode step.
 // - DecoderStack: the quantized path's decoder layers, all of them in one call per step, made of
 //   the kernels above with the dtypes and order of the op-by-op layers of
@@ -117,6 +118,10 @@ struct Item {
 constexpr int64_t kChunk = 16;  // query tokens per work item (extend rows)
 constexpr int64_t kKeysAhead = 8;  // keys (and values) prefetched ahead through the table
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define CHATGATE_FAST_ATTENTION 1
+#endif
+
 #if defined(__AVX512F__)
 // exp8's polynomial over 16 floats.
 inline __m512 exp16(__m512 x) {
@@ -137,53 +142,141 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
 }
 
-inline __m512 load16f(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16f(const BF16* x) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+// The fast attention path's vector (see score_rows): 16 floats of AVX-512.
+struct Lanes {
+  using F = __m512;
+  static constexpr int W = 16;
+  static constexpr int kAccumulators = 16;  // value accumulators a pass keeps (of 32 registers)
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* x) { return _mm512_loadu_ps(x); }
+  static F load(const BF16* x) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  static void store(float* y, F v) { _mm512_storeu_ps(y, v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F exp(F x) { return exp16(x); }
+  // lane i + lane i + 8, then + 4, + 2, + 1
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+  static float top(F v) { return _mm512_reduce_max_ps(v); }
+  static __mmask16 first(int64_t n) {
+    return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  }
+  // x's first n lanes (n > 0), ``fill`` in the others
+  static F load_first(const float* x, int64_t n, float fill) {
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), first(n), x);
+  }
+  static void store_first(float* y, int64_t n, F v) { _mm512_mask_storeu_ps(y, first(n), v); }
+  static F keep_first(F v, int64_t n) { return _mm512_maskz_mov_ps(first(n), v); }
+  // The lane sums of 16 vectors: lane j of the result is the sum of s[j]'s lanes, added in
+  // sum()'s order, so each sum has its bits, for 15 adds and 31 shuffles in all where
+  // _mm512_reduce_add_ps spends about as many on one.
+  static F sum_lanes(const F* s) {
+    F t8[8], t4[4], t2[2];
+    for (int j = 0; j < 8; ++j) {  // [lo(s_j), lo(s_j+8)] + [hi(s_j), hi(s_j+8)]
+      t8[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[j], s[j + 8], 0x44),
+                            _mm512_shuffle_f32x4(s[j], s[j + 8], 0xEE));
+    }
+    for (int j = 0; j < 4; ++j) {  // 128-bit chunks: s_j, s_j+4, s_j+8, s_j+12 (4 partials each)
+      t4[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t8[j], t8[j + 4], 0x88),
+                            _mm512_shuffle_f32x4(t8[j], t8[j + 4], 0xDD));
+    }
+    for (int j = 0; j < 2; ++j) {  // within chunks: 2 partials of two vectors each
+      t2[j] = _mm512_add_ps(_mm512_shuffle_ps(t4[j], t4[j + 2], 0x44),
+                            _mm512_shuffle_ps(t4[j], t4[j + 2], 0xEE));
+    }
+    const F sums = _mm512_add_ps(_mm512_shuffle_ps(t2[0], t2[1], 0x88),
+                                 _mm512_shuffle_ps(t2[0], t2[1], 0xDD));
+    // lane l holds vector order[l], and order is its own inverse
+    return _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), sums);
+  }
+};
+#elif defined(CHATGATE_FAST_ATTENTION)
+// The fast attention path's vector (see score_rows): 8 floats of AVX2.
+struct Lanes {
+  using F = __m256;
+  static constexpr int W = 8;
+  static constexpr int kAccumulators = 8;  // value accumulators a pass keeps (of 16 registers)
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* x) { return load8(x); }
+  static F load(const BF16* x) { return load8(x); }
+  static void store(float* y, F v) { _mm256_storeu_ps(y, v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F exp(F x) { return exp8(x); }
+  // lane i + lane i + 4, then + 2, + 1
+  static float sum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float top(F v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+  }
+  static __m256i first(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  // x's first n lanes (n > 0), ``fill`` in the others
+  static F load_first(const float* x, int64_t n, float fill) {
+    const __m256i m = first(n);
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(x, m),
+                            _mm256_castsi256_ps(m));
+  }
+  static void store_first(float* y, int64_t n, F v) { _mm256_maskstore_ps(y, first(n), v); }
+  static F keep_first(F v, int64_t n) { return _mm256_and_ps(v, _mm256_castsi256_ps(first(n))); }
+  // The lane sums of 8 vectors: lane j of the result is the sum of s[j]'s lanes, added in
+  // sum()'s order, so each sum has its bits.
+  static F sum_lanes(const F* s) {
+    F t4[4], t2[2];
+    for (int j = 0; j < 4; ++j) {  // [lo(s_j), lo(s_j+4)] + [hi(s_j), hi(s_j+4)]
+      t4[j] = _mm256_add_ps(_mm256_permute2f128_ps(s[j], s[j + 4], 0x20),
+                            _mm256_permute2f128_ps(s[j], s[j + 4], 0x31));
+    }
+    for (int j = 0; j < 2; ++j) {  // within chunks: 2 partials of two vectors each
+      t2[j] = _mm256_add_ps(_mm256_shuffle_ps(t4[j], t4[j + 2], 0x44),
+                            _mm256_shuffle_ps(t4[j], t4[j + 2], 0xEE));
+    }
+    const F sums = _mm256_add_ps(_mm256_shuffle_ps(t2[0], t2[1], 0x88),
+                                 _mm256_shuffle_ps(t2[0], t2[1], 0xDD));
+    return _mm256_permute_ps(sums, 0xD8);  // chunks hold vectors 0, 2, 1, 3 (and 4, 6, 5, 7)
+  }
+};
+#endif
 
-// The lane sums of 16 vectors: lane j of the result is the sum of s[j]'s 16 lanes, added as
-// _mm512_reduce_add_ps adds one vector's (lane i + lane i + 8, then + 4, + 2, + 1), so each sum
-// has its bits, for 15 adds and 31 shuffles in all where _mm512_reduce_add_ps spends about as
-// many on one.
-inline __m512 sum_lanes16(const __m512* s) {
-  __m512 t8[8], t4[4], t2[2];
-  for (int j = 0; j < 8; ++j) {  // [lo(s_j), lo(s_j+8)] + [hi(s_j), hi(s_j+8)]
-    t8[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[j], s[j + 8], 0x44),
-                          _mm512_shuffle_f32x4(s[j], s[j + 8], 0xEE));
-  }
-  for (int j = 0; j < 4; ++j) {  // 128-bit chunks: s_j, s_j+4, s_j+8, s_j+12 (4 partials each)
-    t4[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t8[j], t8[j + 4], 0x88),
-                          _mm512_shuffle_f32x4(t8[j], t8[j + 4], 0xDD));
-  }
-  for (int j = 0; j < 2; ++j) {  // within chunks: 2 partials of two vectors each
-    t2[j] = _mm512_add_ps(_mm512_shuffle_ps(t4[j], t4[j + 2], 0x44),
-                          _mm512_shuffle_ps(t4[j], t4[j + 2], 0xEE));
-  }
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(t2[0], t2[1], 0x88),
-                                    _mm512_shuffle_ps(t2[0], t2[1], 0xDD));
-  // lane l holds vector order[l], and order is its own inverse
-  return _mm512_permutexvar_ps(
-      _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), sums);
-}
+#if defined(CHATGATE_FAST_ATTENTION)
+using F = Lanes::F;
+constexpr int64_t W = Lanes::W;
 
-// Query rows against one KV head's keys, for a head_dim of 16 * V: row r is query token
-// r / group, which sees keys [0, first + r / group + 1), the last row ``longest`` of them (with
-// ``kOneToken``, rows == group: every row sees them all). The keys are visited block by block
-// through ``table`` (no division per key, the next block's keys and values prefetched). One
-// token: each key is loaded once for its rows, each score one lane sum. Several tokens (whose
-// rows outnumber the keys' conversions): 16 keys at a time converted to float once, then each
-// row's 16 dot products summed together (sum_lanes16: the same bits); a row also scores the
-// keys of its 16 past the last it sees (written, and never read by its softmax). ``q``: ``rows``
-// rows of 16 * V floats; ``cache_row``: the elements between two slots' rows; ``head``: this KV
-// head's offset in a slot's row. Writes the float32 scores, row r at ``scores + r * longest``.
+// Query rows against one KV head's keys, for a head_dim of W * V (W: the vector's floats): row
+// r is query token r / group, which sees keys [0, first + r / group + 1), the last row
+// ``longest`` of them (with ``kOneToken``, rows == group: every row sees them all). The keys
+// are visited block by block through ``table`` (no division per key, the next block's keys and
+// values prefetched). One token: each key is loaded once for its rows, each score one lane sum.
+// Several tokens (whose rows outnumber the keys' conversions): W keys at a time converted to
+// float once, then each row's W dot products summed together (Lanes::sum_lanes: the same bits);
+// a row also scores the keys of its W past the last it sees (written, and never read by its
+// softmax). ``q``: ``rows`` rows of W * V floats; ``cache_row``: the elements between two
+// slots' rows; ``head``: this KV head's offset in a slot's row. Writes the float32 scores, row r
+// at ``scores + r * longest``.
 template <typename C, int V, bool kOneToken>
 inline void score_rows(const float* q, int64_t rows, int64_t group, const C* kc, const C* vc,
                        const int32_t* table, int64_t block_size, int64_t cache_row, int64_t head,
                        int64_t first, int64_t longest, float scale, float* scores) {
-  constexpr int64_t dim = 16 * V, lines = dim * sizeof(C) / 64;
-  alignas(64) float keys[kOneToken ? 1 : 16 * dim];
+  constexpr int64_t dim = W * V, lines = dim * sizeof(C) / 64;
+  alignas(64) float keys[kOneToken ? 1 : W * dim];
   for (int64_t b = 0, p = 0; p < longest; ++b) {
     const int64_t base = static_cast<int64_t>(table[b]) * block_size;
     const int64_t end = std::min(longest, p + block_size);
@@ -199,38 +292,39 @@ inline void score_rows(const float* q, int64_t rows, int64_t group, const C* kc,
     if constexpr (kOneToken) {
       for (int64_t slot = base; p < end; ++p, ++slot) {
         const C* k = kc + slot * cache_row + head;
-        __m512 kv[V];
-        for (int c = 0; c < V; ++c) kv[c] = load16f(k + 16 * c);
+        F kv[V];
+        for (int c = 0; c < V; ++c) kv[c] = Lanes::load(k + W * c);
         for (int64_t r = 0; r < rows; ++r) {
           const float* x = q + r * dim;
-          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(x), kv[0]);
-          for (int c = 1; c < V; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * c), kv[c], s);
-          scores[r * longest + p] = _mm512_reduce_add_ps(s) * scale;
+          F s = Lanes::mul(Lanes::load(x), kv[0]);
+          for (int c = 1; c < V; ++c) s = Lanes::fmadd(Lanes::load(x + W * c), kv[c], s);
+          scores[r * longest + p] = Lanes::sum(s) * scale;
         }
       }
       continue;
     }
     for (int64_t n; p < end; p += n) {
-      n = std::min<int64_t>(16, end - p);
+      n = std::min<int64_t>(W, end - p);
       const C* k0 = kc + (base + p % block_size) * cache_row + head;
-      for (int64_t j = 0; j < 16; ++j) {  // past n: zeros, so every row scores 16 keys
+      for (int64_t j = 0; j < W; ++j) {  // past n: zeros, so every row scores W keys
         for (int c = 0; c < V; ++c) {
-          _mm512_store_ps(keys + j * dim + 16 * c,
-                          j < n ? load16f(k0 + j * cache_row + 16 * c) : _mm512_setzero_ps());
+          Lanes::store(keys + j * dim + W * c,
+                       j < n ? Lanes::load(k0 + j * cache_row + W * c) : Lanes::zero());
         }
       }
-      const __mmask16 mask = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
       // the rows that see key p (the others see none of these)
       for (int64_t r = std::max<int64_t>(0, p - first) * group; r < rows; ++r) {
-        __m512 x[V], s[16];
-        for (int c = 0; c < V; ++c) x[c] = _mm512_loadu_ps(q + r * dim + 16 * c);
-        for (int j = 0; j < 16; ++j) {
+        const float* x = q + r * dim;
+        F s[W];
+        for (int j = 0; j < W; ++j) {
           const float* k = keys + j * dim;
-          s[j] = _mm512_mul_ps(x[0], _mm512_load_ps(k));
-          for (int c = 1; c < V; ++c) s[j] = _mm512_fmadd_ps(x[c], _mm512_load_ps(k + 16 * c), s[j]);
+          s[j] = Lanes::mul(Lanes::load(x), Lanes::load(k));
+          for (int c = 1; c < V; ++c) {
+            s[j] = Lanes::fmadd(Lanes::load(x + W * c), Lanes::load(k + W * c), s[j]);
+          }
         }
-        _mm512_mask_storeu_ps(scores + r * longest + p, mask,
-                              _mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale)));
+        Lanes::store_first(scores + r * longest + p, n,
+                           Lanes::mul(Lanes::sum_lanes(s), Lanes::set1(scale)));
       }
     }
   }
@@ -238,46 +332,44 @@ inline void score_rows(const float* q, int64_t rows, int64_t group, const C* kc,
 
 // A score row's first n entries to e^(s - max), in place; returns 1 / their sum.
 inline float softmax_row(float* row, int64_t n) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t p = 0; p < n; p += 16) {
-    const __mmask16 m = n - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - p)) - 1);
-    top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + p));
+  F top = Lanes::set1(-INFINITY);
+  for (int64_t p = 0; p < n; p += W) {
+    top = Lanes::max(top, Lanes::load_first(row + p, n - p, -INFINITY));
   }
-  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t p = 0; p < n; p += 16) {
-    const __mmask16 m = n - p >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - p)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + p), peak));
-    _mm512_mask_storeu_ps(row + p, m, e);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+  const F peak = Lanes::set1(Lanes::top(top));
+  F sum = Lanes::zero();
+  for (int64_t p = 0; p < n; p += W) {
+    const F e = Lanes::exp(Lanes::sub(Lanes::load_first(row + p, n - p, 0.0f), peak));
+    Lanes::store_first(row + p, n - p, e);
+    sum = Lanes::add(sum, Lanes::keep_first(e, n - p));
   }
-  return 1.0f / _mm512_reduce_add_ps(sum);
+  return 1.0f / Lanes::sum(sum);
 }
 
-// One decode token's heads against one KV head's cache, for a head_dim of 16 * V: the ``n``
+// One decode token's heads against one KV head's cache, for a head_dim of W * V: the ``n``
 // keys' scores (score_rows), then each head's softmax and values in registers. Writes ``out``
-// (heads rows of 16 * V floats).
+// (heads rows of W * V floats).
 template <typename C, int V>
 void decode_heads(const float* q, int64_t heads, const C* kc, const C* vc, const int32_t* table,
                   int64_t block_size, int64_t cache_row, int64_t head, int64_t n, float scale,
                   float* scores, float* out) {
-  constexpr int64_t dim = 16 * V;
+  constexpr int64_t dim = W * V;
   score_rows<C, V, true>(q, heads, heads, kc, vc, table, block_size, cache_row, head, n - 1, n,
                          scale, scores);
   for (int64_t r = 0; r < heads; ++r) {
     float* row = scores + r * n;
-    const __m512 inv = _mm512_set1_ps(softmax_row(row, n));
-    __m512 acc[V];
-    for (int c = 0; c < V; ++c) acc[c] = _mm512_setzero_ps();
+    const F inv = Lanes::set1(softmax_row(row, n));
+    F acc[V];
+    for (int c = 0; c < V; ++c) acc[c] = Lanes::zero();
     for (int64_t b = 0, p = 0; p < n; ++b) {
       const int64_t end = std::min(n, p + block_size);
       for (int64_t slot = static_cast<int64_t>(table[b]) * block_size; p < end; ++p, ++slot) {
         const C* v = vc + slot * cache_row + head;
-        const __m512 w = _mm512_set1_ps(row[p]);
-        for (int c = 0; c < V; ++c) acc[c] = _mm512_fmadd_ps(w, load16f(v + 16 * c), acc[c]);
+        const F w = Lanes::set1(row[p]);
+        for (int c = 0; c < V; ++c) acc[c] = Lanes::fmadd(w, Lanes::load(v + W * c), acc[c]);
       }
     }
-    for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + r * dim + 16 * c, _mm512_mul_ps(acc[c], inv));
+    for (int c = 0; c < V; ++c) Lanes::store(out + r * dim + W * c, Lanes::mul(acc[c], inv));
   }
 }
 
@@ -290,7 +382,7 @@ template <typename C, int V>
 void multi_heads(const float* q, int64_t rows, int64_t group, const C* kc, const C* vc,
                  const int32_t* table, int64_t block_size, int64_t cache_row, int64_t head,
                  int64_t first, float scale, float* scores, float* out) {
-  constexpr int64_t dim = 16 * V, kTile = V == 4 ? 4 : 2;  // kTile * V accumulators
+  constexpr int64_t dim = W * V, kTile = std::max(1, Lanes::kAccumulators / V);
   const int64_t longest = first + (rows - 1) / group + 1;
   auto count = [&](int64_t r) { return first + r / group + 1; };  // keys row r sees
   score_rows<C, V, false>(q, rows, group, kc, vc, table, block_size, cache_row, head, first,
@@ -301,34 +393,34 @@ void multi_heads(const float* q, int64_t rows, int64_t group, const C* kc, const
     for (int64_t t = 0; t < tile; ++t) {
       inv[t] = softmax_row(scores + (r0 + t) * longest, count(r0 + t));
     }
-    __m512 acc[kTile][V];
+    F acc[kTile][V];
     for (int t = 0; t < kTile; ++t)
-      for (int c = 0; c < V; ++c) acc[t][c] = _mm512_setzero_ps();
+      for (int c = 0; c < V; ++c) acc[t][c] = Lanes::zero();
     const int64_t n_all = count(r0), n_max = count(r0 + tile - 1);  // rows ascend in keys
     for (int64_t b = 0, p = 0; p < n_max; ++b) {
       const int64_t end = std::min(n_max, p + block_size);
       for (int64_t slot = static_cast<int64_t>(table[b]) * block_size; p < end; ++p, ++slot) {
         const C* v = vc + slot * cache_row + head;
-        __m512 vv[V];
-        for (int c = 0; c < V; ++c) vv[c] = load16f(v + 16 * c);
+        F vv[V];
+        for (int c = 0; c < V; ++c) vv[c] = Lanes::load(v + W * c);
         if (tile == kTile && p < n_all) {  // a full tile whose rows all see p
           for (int t = 0; t < kTile; ++t) {
-            const __m512 w = _mm512_set1_ps(scores[(r0 + t) * longest + p]);
-            for (int c = 0; c < V; ++c) acc[t][c] = _mm512_fmadd_ps(w, vv[c], acc[t][c]);
+            const F w = Lanes::set1(scores[(r0 + t) * longest + p]);
+            for (int c = 0; c < V; ++c) acc[t][c] = Lanes::fmadd(w, vv[c], acc[t][c]);
           }
         } else {
           for (int t = 0; t < tile; ++t) {
             if (p >= count(r0 + t)) continue;
-            const __m512 w = _mm512_set1_ps(scores[(r0 + t) * longest + p]);
-            for (int c = 0; c < V; ++c) acc[t][c] = _mm512_fmadd_ps(w, vv[c], acc[t][c]);
+            const F w = Lanes::set1(scores[(r0 + t) * longest + p]);
+            for (int c = 0; c < V; ++c) acc[t][c] = Lanes::fmadd(w, vv[c], acc[t][c]);
           }
         }
       }
     }
     for (int t = 0; t < tile; ++t) {
-      const __m512 scale_t = _mm512_set1_ps(inv[t]);
+      const F scale_t = Lanes::set1(inv[t]);
       for (int c = 0; c < V; ++c)
-        _mm512_storeu_ps(out + (r0 + t) * dim + 16 * c, _mm512_mul_ps(acc[t][c], scale_t));
+        Lanes::store(out + (r0 + t) * dim + W * c, Lanes::mul(acc[t][c], scale_t));
     }
   }
 }
@@ -348,9 +440,9 @@ inline void query_heads(const float* q, int64_t rows, int64_t group, const C* kc
 }
 #endif
 
-// Whether attention_fast runs for this head_dim: with AVX-512, 64 or 128.
+// Whether attention_fast runs for this head_dim: with AVX-512 or AVX2, 64 or 128.
 inline bool fast_head_dim(int64_t dim) {
-#if defined(__AVX512F__)
+#if defined(CHATGATE_FAST_ATTENTION)
   return dim == 64 || dim == 128;
 #else
   (void)dim;
@@ -365,15 +457,15 @@ inline bool attention_fast(const float* q, int64_t rows, int64_t group, const C*
                            const int32_t* table, int64_t block_size, int64_t cache_row,
                            int64_t head, int64_t first, int64_t dim, float scale, float* scores,
                            float* out) {
-#if defined(__AVX512F__)
+#if defined(CHATGATE_FAST_ATTENTION)
   if (dim == 64) {
-    query_heads<C, 4>(q, rows, group, kc, vc, table, block_size, cache_row, head, first, scale,
-                      scores, out);
+    query_heads<C, 64 / W>(q, rows, group, kc, vc, table, block_size, cache_row, head, first,
+                           scale, scores, out);
     return true;
   }
   if (dim == 128) {
-    query_heads<C, 8>(q, rows, group, kc, vc, table, block_size, cache_row, head, first, scale,
-                      scores, out);
+    query_heads<C, 128 / W>(q, rows, group, kc, vc, table, block_size, cache_row, head, first,
+                            scale, scores, out);
     return true;
   }
 #endif
@@ -734,6 +826,36 @@ inline void quantize_group(const X* src, int8_t* dst, float* d, float* sum) {
   *d = step;
   *sum = step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
 }
+#elif defined(CHATGATE_AVX2)
+// One group of 32 as quantize_rows' loop computes it, the same bits (as with AVX512-VNNI).
+template <typename X>
+inline void quantize_group(const X* src, int8_t* dst, float* d, float* sum) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], top = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(src + 8 * i);
+    top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
+  }
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  const float peak = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+  const float step = peak / 127.0f;
+  const __m256 inv = _mm256_set1_ps(peak > 0.0f ? 127.0f / peak : 0.0f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  // packs interleave 128-bit lanes: bytes come out as quads of q0..q3's first halves, then
+  // their second halves; the permutation puts each vector's eight back together
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                           _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  *d = step;
+  *sum = step * static_cast<float>(_mm_cvtsi128_si32(h));
+}
 #endif
 
 // x [rows, k] as int8 codes per group of 32 with the group's step d and d * sum(codes).
@@ -744,7 +866,7 @@ void quantize_rows(const X* x, int64_t x_row, int64_t rows, int64_t k, int8_t* q
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       const X* src = x + m * x_row + g * kGroup;
-#if defined(CHATGATE_VNNI)
+#if defined(CHATGATE_VNNI) || defined(CHATGATE_AVX2)
       quantize_group(src, q + (m * groups + g) * kGroup, d + m * groups + g, sums + m * groups + g);
 #else
       float top = 0.0f;
@@ -1203,6 +1325,13 @@ constexpr bool kUnsignedBias = false;
 constexpr bool kUnsignedBias = true;
 #endif
 
+// Four int8 codes as one 32-bit word (to broadcast).
+inline int32_t load_quad(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return v;
+}
+
 #if defined(CHATGATE_VNNI)
 // With AVX512-VNNI, int8 weights of n % 16 == 0 rows are blocked by 16 output rows (int8_pack):
 // one 32-bit lane per output row, so a group's products sum within lanes (no horizontal sums)
@@ -1215,12 +1344,6 @@ constexpr int64_t kRowsTile = 8;  // most activation rows per pass over a block
 // a megabyte takes about as long as waking a second thread.
 constexpr int64_t kParallelWeights = 1 << 19;
 inline bool int8_blocked(int64_t n) { return n % kLanes == 0; }
-
-inline int32_t load_quad(const int8_t* q) {
-  int32_t v;
-  std::memcpy(&v, q, 4);
-  return v;
-}
 
 // Activation rows [R] times one block of 16 weight rows: per group, the integer dot products
 // of its 8 quads, then acc += dot * step (the row's group step d). Each row's arithmetic is the
@@ -1295,24 +1418,110 @@ void int8_blocked_kernel(const QuantizedRows& act, const std::vector<float>& bia
     }
   });
 }
+#elif defined(CHATGATE_AVX2)
+// With AVX2, int8 weights of n % 8 == 0 rows are blocked by 8 output rows (int8_pack), as with
+// AVX512-VNNI by 16: one 32-bit lane per output row, a group's products summed within lanes,
+// one register of weights for every activation row of the tile, each broadcasting its four
+// inputs; a group's integer dot product is exact before its one conversion to float. Block b,
+// quad c: 32 bytes at (b * k / 4 + c) * 32, row j's four codes at byte 4j.
+constexpr int64_t kLanes = 8;
+inline bool int8_blocked(int64_t n) { return n % kLanes == 0; }
+
+// Activation rows [R] times one block of 8 weight rows, as int8_block_rows with AVX512-VNNI:
+// maddubs multiplies |w| by q with w's sign (unsigned codes up to 255 would saturate its 16-bit
+// pairs). Each row's arithmetic is the same for every R.
+template <int R>
+inline void int8_block8_rows(const uint8_t* w, int64_t groups, const int8_t* q, int64_t q_row,
+                             const float* d, int64_t d_row, const uint8_t* ahead, __m256* out) {
+  const __m256i sign_bit = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * kGroup * kLanes;
+    if (ahead != nullptr) {
+      for (int64_t b = 0; b < kGroup * kLanes; b += 64) __builtin_prefetch(ahead + g * kGroup * kLanes + b);
+    }
+    __m256i dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < kGroup / 4; ++c) {
+      const __m256i wv = _mm256_xor_si256(  // w + 128 back to w (|w| <= 127)
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 32)), sign_bit);
+      const __m256i magnitude = _mm256_abs_epi8(wv);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_set1_epi32(load_quad(q + r * q_row + g * kGroup + c * 4));
+        dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                                 magnitude, _mm256_sign_epi8(x, wv)), ones));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_set1_ps(d[r * d_row + g]),
+                               acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+template <typename O>
+void int8_blocked_kernel(const QuantizedRows& act, const std::vector<float>&,
+                         const at::Tensor& codes, const at::Tensor& row_scales, at::Tensor& out) {
+  const int64_t rows = out.size(0), n = codes.size(0), k = codes.size(1), groups = k / kGroup;
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* scale = row_scales.data_ptr<float>();
+  O* o = out.data_ptr<O>();
+  const int64_t o_row = out.stride(0), block_bytes = kLanes * k, blocks = n / kLanes;
+  at::parallel_for(0, blocks, 8, [&](int64_t lo, int64_t hi) {
+    __m256 result[kTile];
+    alignas(32) float lanes[kLanes];
+    for (int64_t sweep = 0; sweep < rows; sweep += kBlock) {  // kBlock rows stay in L1/L2
+      const int64_t sweep_end = std::min(rows, sweep + kBlock);
+      for (int64_t b = lo; b < hi; ++b) {
+        const uint8_t* w = c + b * block_bytes;
+        const __m256 s = _mm256_loadu_ps(scale + b * kLanes);
+        for (int64_t m = sweep; m < sweep_end;) {
+          const int tile = static_cast<int>(std::min(sweep_end - m, kTile));
+          const uint8_t* ahead = m == sweep && b + 1 < hi ? w + block_bytes : nullptr;
+          const int8_t* qm = act.q.data() + m * k;
+          const float* dm = act.d.data() + m * groups;
+          switch (tile) {
+            case 4: int8_block8_rows<4>(w, groups, qm, k, dm, groups, ahead, result); break;
+            case 3: int8_block8_rows<3>(w, groups, qm, k, dm, groups, ahead, result); break;
+            case 2: int8_block8_rows<2>(w, groups, qm, k, dm, groups, ahead, result); break;
+            default: int8_block8_rows<1>(w, groups, qm, k, dm, groups, ahead, result); break;
+          }
+          for (int r = 0; r < tile; ++r) {
+            _mm256_store_ps(lanes, _mm256_mul_ps(s, result[r]));
+            O* dst = o + (m + r) * o_row + b * kLanes;
+            for (int64_t j = 0; j < kLanes; ++j) dst[j] = from_float<O>(lanes[j]);
+          }
+          m += tile;
+        }
+      }
+    }
+  });
+}
 #else
+constexpr int64_t kLanes = 1;
 inline bool int8_blocked(int64_t) { return false; }
 #endif
 
 // ``codes [n, k]`` (uint8, w + 128) as int8_linear takes them: with AVX512-VNNI and n % 16 == 0
-// blocked by 16 rows (see above; same shape), else unchanged. int8_unpack undoes it.
+// blocked by 16 rows, with AVX2 and n % 8 == 0 by 8 (see above; same shape), else unchanged.
+// int8_unpack undoes it.
 at::Tensor int8_pack(const at::Tensor& codes) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.size(1) % 4 == 0,
               "codes must be uint8 [n, k] with k a multiple of 4");
   const int64_t n = codes.size(0), k = codes.size(1);
   if (!int8_blocked(n)) return codes.contiguous();
-  return codes.view({n / 16, 16, k / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({n, k});
+  return codes.view({n / kLanes, kLanes, k / 4, 4}).permute({0, 2, 1, 3}).contiguous().view(
+      {n, k});
 }
 
 at::Tensor int8_unpack(const at::Tensor& packed) {
   const int64_t n = packed.size(0), k = packed.size(1);
   if (!int8_blocked(n)) return packed;
-  return packed.view({n / 16, k / 4, 16, 4}).permute({0, 2, 1, 3}).contiguous().view({n, k});
+  return packed.view({n / kLanes, k / 4, kLanes, 4}).permute({0, 2, 1, 3}).contiguous().view(
+      {n, k});
 }
 
 template <typename O>
@@ -1324,7 +1533,7 @@ void int8_linear_kernel(const at::Tensor& x, const at::Tensor& codes,
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups && kUnsignedBias; ++g) bias[m] += 128.0f * act.sums[m * groups + g];
   }
-#if defined(CHATGATE_VNNI)
+#if defined(CHATGATE_VNNI) || defined(CHATGATE_AVX2)
   if (int8_blocked(n)) {
     int8_blocked_kernel<O>(act, bias, codes, row_scales, out);
     return;
