@@ -1339,11 +1339,7 @@ inline int32_t load_quad(const int8_t* q) {
 // (quad c): 64 bytes at (b * k / 4 + c) * 64, row j's four codes at byte 4j.
 constexpr int64_t kLanes = 16;
 constexpr int64_t kRowsTile = 8;  // most activation rows per pass over a block
-// A product of fewer weights than this runs on the calling thread: up to kRowsTile rows stream
-// the weights once (each row past them counts as 1 / kRowsTile pass more), and streaming half
-// a megabyte takes about as long as waking a second thread.
-constexpr int64_t kParallelWeights = 1 << 19;
-inline bool int8_blocked(int64_t n) { return n % kLanes == 0; }
+using Int8Lanes = __m512;
 
 // Activation rows [R] times one block of 16 weight rows: per group, the integer dot products
 // of its 8 quads, then acc += dot * step (the row's group step d). Each row's arithmetic is the
@@ -1375,64 +1371,25 @@ inline void int8_block_rows(const uint8_t* w, int64_t groups, const int8_t* q, i
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
-template <typename O>
-void int8_blocked_kernel(const QuantizedRows& act, const std::vector<float>& bias,
-                         const at::Tensor& codes, const at::Tensor& row_scales, at::Tensor& out) {
-  const int64_t rows = out.size(0), n = codes.size(0), k = codes.size(1), groups = k / kGroup;
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const float* scale = row_scales.data_ptr<float>();
-  O* o = out.data_ptr<O>();
-  const int64_t o_row = out.stride(0), block_bytes = kLanes * k, blocks = n / kLanes;
-  const int64_t passes = kRowsTile + std::max<int64_t>(0, rows - kRowsTile);  // in 1 / kRowsTile
-  const bool small = n * k * passes / kRowsTile < kParallelWeights;
-  at::parallel_for(0, blocks, small ? blocks + 1 : 4, [&](int64_t lo, int64_t hi) {
-    __m512 result[kRowsTile];
-    alignas(64) float lanes[kLanes];
-    for (int64_t b = lo; b < hi; ++b) {
-      const uint8_t* w = c + b * block_bytes;
-      const __m512 s = _mm512_loadu_ps(scale + b * kLanes);
-      for (int64_t m = 0; m < rows;) {
-        const int64_t left = rows - m;
-        const int tile = static_cast<int>(std::min(left, kRowsTile));  // one pass for 1..8 rows
-        const uint8_t* ahead = m == 0 && b + 1 < hi ? w + block_bytes : nullptr;
-        const int8_t* qm = act.q.data() + m * k;
-        const float* dm = act.d.data() + m * groups;
-        switch (tile) {
-          case 8: int8_block_rows<8>(w, groups, qm, k, dm, groups, ahead, result); break;
-          case 7: int8_block_rows<7>(w, groups, qm, k, dm, groups, ahead, result); break;
-          case 6: int8_block_rows<6>(w, groups, qm, k, dm, groups, ahead, result); break;
-          case 5: int8_block_rows<5>(w, groups, qm, k, dm, groups, ahead, result); break;
-          case 4: int8_block_rows<4>(w, groups, qm, k, dm, groups, ahead, result); break;
-          case 3: int8_block_rows<3>(w, groups, qm, k, dm, groups, ahead, result); break;
-          case 2: int8_block_rows<2>(w, groups, qm, k, dm, groups, ahead, result); break;
-          default: int8_block_rows<1>(w, groups, qm, k, dm, groups, ahead, result); break;
-        }
-        for (int r = 0; r < tile; ++r) {
-          _mm512_store_ps(lanes, _mm512_mul_ps(
-                                     s, _mm512_sub_ps(result[r], _mm512_set1_ps(bias[m + r]))));
-          O* dst = o + (m + r) * o_row + b * kLanes;
-          for (int64_t j = 0; j < kLanes; ++j) dst[j] = from_float<O>(lanes[j]);
-        }
-        m += tile;
-      }
-    }
-  });
+// A block's kLanes results of one activation row: scale * (acc - bias).
+inline void int8_scaled(float* lanes, const float* scale, __m512 acc, float bias) {
+  _mm512_store_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(scale),
+                                       _mm512_sub_ps(acc, _mm512_set1_ps(bias))));
 }
 #elif defined(CHATGATE_AVX2)
-// With AVX2, int8 weights of n % 8 == 0 rows are blocked by 8 output rows (int8_pack), as with
-// AVX512-VNNI by 16: one 32-bit lane per output row, a group's products summed within lanes,
-// one register of weights for every activation row of the tile, each broadcasting its four
-// inputs; a group's integer dot product is exact before its one conversion to float. Block b,
+// With AVX2, int8 weights of n % 8 == 0 rows are blocked by 8 output rows as with AVX512-VNNI
+// by 16: a group's integer dot product is exact before its one conversion to float. Block b,
 // quad c: 32 bytes at (b * k / 4 + c) * 32, row j's four codes at byte 4j.
 constexpr int64_t kLanes = 8;
-inline bool int8_blocked(int64_t n) { return n % kLanes == 0; }
+constexpr int64_t kRowsTile = 4;  // most activation rows per pass over a block (16 registers)
+using Int8Lanes = __m256;
 
 // Activation rows [R] times one block of 8 weight rows, as int8_block_rows with AVX512-VNNI:
 // maddubs multiplies |w| by q with w's sign (unsigned codes up to 255 would saturate its 16-bit
 // pairs). Each row's arithmetic is the same for every R.
 template <int R>
-inline void int8_block8_rows(const uint8_t* w, int64_t groups, const int8_t* q, int64_t q_row,
-                             const float* d, int64_t d_row, const uint8_t* ahead, __m256* out) {
+inline void int8_block_rows(const uint8_t* w, int64_t groups, const int8_t* q, int64_t q_row,
+                            const float* d, int64_t d_row, const uint8_t* ahead, __m256* out) {
   const __m256i sign_bit = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
@@ -1462,35 +1419,55 @@ inline void int8_block8_rows(const uint8_t* w, int64_t groups, const int8_t* q, 
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
+// A block's kLanes results of one activation row: scale * (acc - bias).
+inline void int8_scaled(float* lanes, const float* scale, __m256 acc, float bias) {
+  _mm256_store_ps(lanes, _mm256_mul_ps(_mm256_loadu_ps(scale),
+                                       _mm256_sub_ps(acc, _mm256_set1_ps(bias))));
+}
+#endif
+
+#if defined(CHATGATE_VNNI) || defined(CHATGATE_AVX2)
+// A product of fewer weights than this runs on the calling thread: up to kRowsTile rows stream
+// the weights once (each row past them counts as 1 / kRowsTile pass more), and streaming half
+// a megabyte takes about as long as waking a second thread.
+constexpr int64_t kParallelWeights = 1 << 19;
+inline bool int8_blocked(int64_t n) { return n % kLanes == 0; }
+
+// int8_block_rows<tile> for a tile of 1..R rows.
+template <int R>
+inline void int8_tile_rows(int tile, const uint8_t* w, int64_t groups, const int8_t* q,
+                           int64_t q_row, const float* d, const uint8_t* ahead, Int8Lanes* out) {
+  if (tile == R) {
+    int8_block_rows<R>(w, groups, q, q_row, d, groups, ahead, out);
+  } else if constexpr (R > 1) {
+    int8_tile_rows<R - 1>(tile, w, groups, q, q_row, d, ahead, out);
+  }
+}
+
 template <typename O>
-void int8_blocked_kernel(const QuantizedRows& act, const std::vector<float>&,
+void int8_blocked_kernel(const QuantizedRows& act, const std::vector<float>& bias,
                          const at::Tensor& codes, const at::Tensor& row_scales, at::Tensor& out) {
   const int64_t rows = out.size(0), n = codes.size(0), k = codes.size(1), groups = k / kGroup;
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* scale = row_scales.data_ptr<float>();
   O* o = out.data_ptr<O>();
   const int64_t o_row = out.stride(0), block_bytes = kLanes * k, blocks = n / kLanes;
-  at::parallel_for(0, blocks, 8, [&](int64_t lo, int64_t hi) {
-    __m256 result[kTile];
-    alignas(32) float lanes[kLanes];
+  const int64_t passes = kRowsTile + std::max<int64_t>(0, rows - kRowsTile);  // in 1 / kRowsTile
+  const bool small = n * k * passes / kRowsTile < kParallelWeights;
+  at::parallel_for(0, blocks, small ? blocks + 1 : 64 / kLanes, [&](int64_t lo, int64_t hi) {
+    Int8Lanes result[kRowsTile];
+    alignas(64) float lanes[kLanes];
     for (int64_t sweep = 0; sweep < rows; sweep += kBlock) {  // kBlock rows stay in L1/L2
       const int64_t sweep_end = std::min(rows, sweep + kBlock);
       for (int64_t b = lo; b < hi; ++b) {
         const uint8_t* w = c + b * block_bytes;
-        const __m256 s = _mm256_loadu_ps(scale + b * kLanes);
         for (int64_t m = sweep; m < sweep_end;) {
-          const int tile = static_cast<int>(std::min(sweep_end - m, kTile));
+          const int tile = static_cast<int>(std::min(sweep_end - m, kRowsTile));  // one pass
           const uint8_t* ahead = m == sweep && b + 1 < hi ? w + block_bytes : nullptr;
-          const int8_t* qm = act.q.data() + m * k;
-          const float* dm = act.d.data() + m * groups;
-          switch (tile) {
-            case 4: int8_block8_rows<4>(w, groups, qm, k, dm, groups, ahead, result); break;
-            case 3: int8_block8_rows<3>(w, groups, qm, k, dm, groups, ahead, result); break;
-            case 2: int8_block8_rows<2>(w, groups, qm, k, dm, groups, ahead, result); break;
-            default: int8_block8_rows<1>(w, groups, qm, k, dm, groups, ahead, result); break;
-          }
+          int8_tile_rows<kRowsTile>(tile, w, groups, act.q.data() + m * k, k,
+                                    act.d.data() + m * groups, ahead, result);
           for (int r = 0; r < tile; ++r) {
-            _mm256_store_ps(lanes, _mm256_mul_ps(s, result[r]));
+            int8_scaled(lanes, scale + b * kLanes, result[r], bias[m + r]);
             O* dst = o + (m + r) * o_row + b * kLanes;
             for (int64_t j = 0; j < kLanes; ++j) dst[j] = from_float<O>(lanes[j]);
           }
