@@ -18,8 +18,8 @@
 //   int8_linear likewise with int8 weights and one scale per output row (blocked by 16 weight
 //   rows with AVX512-VNNI, by 8 with AVX2: one pass over a block serves up to 8 or 4 activation
 //   rows). The dot products run as AVX512-VNNI (dpbusd) or AVX2 (maddubs + madd; int4 with
-//   weight rows interleaved by 8, see int4_pack), a plain loop elsewhere. Both prefetch the rows ahead: cold weights are
-//   the time of a decode step.
+//   weight rows interleaved by 8, see int4_pack), a plain loop elsewhere. Both prefetch the
+//   rows ahead: cold weights are the time of a decode step.
 // - DecoderStack: the quantized path's decoder layers, all of them in one call per step, made of
 //   the kernels above with the dtypes and order of the op-by-op layers of
 //   engine/quantized_cpu_model.py (so the same bits), without a Python round trip per op:
@@ -848,8 +848,10 @@ inline void quantize_group(const X* src, int8_t* dst, float* d, float* sum) {
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
                                            _mm256_packs_epi32(q[2], q[3]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+                      _mm256_permutevar8x32_epi32(bytes,
+                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i total =
+      _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
   __m128i h = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
   h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
   h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
@@ -1352,7 +1354,9 @@ inline void int8_block_rows(const uint8_t* w, int64_t groups, const int8_t* q, i
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * kGroup * kLanes;
     if (ahead != nullptr) {
-      for (int64_t b = 0; b < kGroup * kLanes; b += 64) __builtin_prefetch(ahead + g * kGroup * kLanes + b);
+      for (int64_t b = 0; b < kGroup * kLanes; b += 64) {
+        __builtin_prefetch(ahead + g * kGroup * kLanes + b);
+      }
     }
     __m512i dots[R];
     for (int r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
@@ -1397,7 +1401,9 @@ inline void int8_block_rows(const uint8_t* w, int64_t groups, const int8_t* q, i
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * kGroup * kLanes;
     if (ahead != nullptr) {
-      for (int64_t b = 0; b < kGroup * kLanes; b += 64) __builtin_prefetch(ahead + g * kGroup * kLanes + b);
+      for (int64_t b = 0; b < kGroup * kLanes; b += 64) {
+        __builtin_prefetch(ahead + g * kGroup * kLanes + b);
+      }
     }
     __m256i dots[R];
     for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
