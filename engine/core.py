@@ -167,7 +167,8 @@ class EngineCore:
 
     def _step(self) -> None:
         """One engine step, counted (steps, those with prompt tokens, seconds: the stats'
-        ``engine_*``); at debug level, a log line with its time and token counts."""
+        ``engine_*``); at debug level, a log line with its time, its sections (host
+        milliseconds, ``engine.step_timing``) and token counts."""
         self._changed = True
         engine = self.engine
         began = time.perf_counter()
@@ -178,9 +179,12 @@ class EngineCore:
             self._steps += 1
             self._prompt_steps += int(engine.num_prefill_tokens > prefill)
             self._step_seconds += seconds
-            if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("step %.1f ms: %d prefill + %d decode tokens, %d running, "
-                             "%d waiting", seconds * 1e3, engine.num_prefill_tokens - prefill,
+            if engine.step_timings:  # timed at debug level
+                sections = " ".join(f"{name} {s * 1e3:.2f}"
+                                    for name, s in engine.step_timings.pop().sections.items())
+                logger.debug("step %.2f ms (%s): %d prefill + %d decode tokens, %d running, "
+                             "%d waiting", seconds * 1e3, sections,
+                             engine.num_prefill_tokens - prefill,
                              engine.num_decode_tokens - decode,
                              len(engine.scheduler.running), len(engine.scheduler.waiting))
         except WorkerDied as error:
@@ -295,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     encoder = msgspec.msgpack.Encoder()
     try:
         config = msgspec.json.decode(args.config, type=EngineConfig)
-        engine = LLMEngine(config, track_pin_changes=True)
+        engine = LLMEngine(config, track_pin_changes=True,
+                           time_steps=logger.isEnabledFor(logging.DEBUG))
         if engine.tokenizer is not None:  # the client's tokenizer: this one, read without torch
             engine.tokenizer.save_pretrained(args.tokenizer_dir)
     except BaseException as error:  # noqa: BLE001 - reported to the client, then exit
