@@ -132,7 +132,8 @@ class EngineConfig:
                                               "with CUDA graphs, else 1)")
     admission_hold: int | None = _flag(None, "while requests run, hold fewer waiting ones "
                                              "than admission-batch back for at most this many "
-                                             "steps (default: 0)")
+                                             "steps (default: admission-batch with CUDA "
+                                             "graphs, else 0)")
     # The library's default is the exact float path (greedy equals transformers' there);
     # ``chatgate serve`` defaults to "auto": int8 on the CPU, the most correct answers on
     # everyday questions and 3.6x float32's speed per stream (int4 is faster but loops more)
