@@ -15,6 +15,11 @@ Per model (``--models``), in this order:
    bytes arrive, and its token count is read from the server's usage. With
    ``--api-server-count 1,2,4`` the server runs once per count (N front-end processes sharing
    one engine), one after the other; its paths are named ``sse xN`` / ``ws xN`` (N > 1).
+   With ``--step-profile`` the servers log at debug level, and each level's engine steps
+   (those with at least 80 % of ``C`` running) are summed up from the server's log per kind
+   (with a prompt, decode only): count, mean milliseconds and mean host milliseconds of each
+   section of the step (``engine.step_timing``). ``--server-args`` adds ``chatgate serve``
+   flags (e.g. ``--admission-hold 0``).
 3. **multi-turn** (``--turns-sessions``): sessions × turns over SSE with a shared system prompt,
    each session sending its turns one after another (the answer of each turn goes into the next
    turn's messages), once with ``session_id`` (pinned KV) and once without (prefix cache
@@ -30,6 +35,8 @@ checks that it did.
         --code acc0bc2 --turns-sessions 0                                # CPU vs older code
     python benchmarks/gpu_serving.py --concurrency 256 --client-procs 4 \
         --api-server-count 1,2,4                                         # front-end counts
+    python benchmarks/gpu_serving.py --models dummy:smollm2-135m --concurrency 256 \
+        --turns-sessions 0 --step-profile --server-args="--admission-hold 0"  # served steps
     python benchmarks/gpu_serving.py --quick                             # smoke test
 """
 
@@ -43,7 +50,10 @@ import json
 import multiprocessing
 import os
 import random
+import re
+import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -127,6 +137,7 @@ class Level:
     engine_ms_per_step: float = float("nan")
     engine_prompt_share: float = float("nan")
     engine_busy: float = float("nan")
+    steps: dict[str, dict[str, float]] = field(default_factory=dict)  # --step-profile
 
 
 def summarize(model: str, path: str, concurrency: int, results: list[Request],
@@ -141,6 +152,38 @@ def summarize(model: str, path: str, concurrency: int, results: list[Request],
     return Level(model, path, concurrency, len(results), tokens, errors, wall, tokens / wall,
                  percentile([r.ttft for r in ok], 50), percentile([r.ttft for r in ok], 99),
                  percentile(gaps, 50), percentile(gaps, 99), tokens / chunks if chunks else 0)
+
+
+# The engine process's step line at debug level (engine.core)
+STEP_LINE = re.compile(r"step ([\d.]+) ms \((.*?)\): (\d+) prefill \+ (\d+) decode tokens, "
+                       r"(\d+) running")
+
+
+def step_profile(log_text: str, min_running: int) -> dict[str, dict[str, float]]:
+    """Per kind of step ("prompt": with prompt tokens, "decode": without) among the step lines
+    of ``log_text`` with at least ``min_running`` sequences running: the count, the mean
+    milliseconds, prompt tokens and decode rows, and each section's mean host milliseconds."""
+    kinds: dict[str, list[tuple[float, dict[str, float], int, int]]] = {"prompt": [],
+                                                                          "decode": []}
+    for match in STEP_LINE.finditer(log_text):
+        ms, sections, prefill, decode, running = match.groups()
+        if int(running) < min_running:
+            continue
+        parts = sections.split()
+        named = {parts[i]: float(parts[i + 1]) for i in range(0, len(parts) - 1, 2)}
+        kinds["prompt" if int(prefill) else "decode"].append(
+            (float(ms), named, int(prefill), int(decode)))
+    profile = {}
+    for kind, steps in kinds.items():
+        if not steps:
+            continue
+        names = dict.fromkeys(name for _, named, _, _ in steps for name in named)
+        profile[kind] = {
+            "steps": len(steps), "ms": statistics.mean(s[0] for s in steps),
+            "prompt_tokens": statistics.mean(s[2] for s in steps),
+            "decode_rows": statistics.mean(s[3] for s in steps),
+            **{name: statistics.mean(s[1].get(name, 0.0) for s in steps) for name in names}}
+    return profile
 
 
 # -- the load generator (runs in client processes) -----------------------------------------------
@@ -317,6 +360,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         path = os.pathsep.join(p for p in (str(code), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path}
+        self.log_path = log
         self.log = log.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "chatgate", "serve", "--port", str(self.port), *flags],
@@ -396,7 +440,9 @@ def engine_flags(model: str, args: argparse.Namespace) -> list[str]:
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.tokenizer:
         flags += ["--tokenizer", args.tokenizer]
-    return flags
+    if args.step_profile:
+        flags += ["--log-level", "debug"]
+    return flags + shlex.split(args.server_args)
 
 
 def _direct_levels(model: str, requests: list[list[dict]],
@@ -514,9 +560,15 @@ def _serve_count(model: str, requests: list[list[dict]], args: argparse.Namespac
                 for name, server in servers.items():
                     path = (transport if name == "new" else f"{transport} {name}") + suffix
                     cpu, loop = server.gateway_cpu_s(), server.engine_loop()
+                    mark = server.log_path.stat().st_size
                     results = load(server.url, model, transport, requests,
                                    c, args)
                     level = summarize(model, path, c, results, args.output_len)
+                    if args.step_profile:
+                        with server.log_path.open("rb") as f:
+                            f.seek(mark)
+                            text = f.read().decode(errors="replace")
+                        level.steps = step_profile(text, int(0.8 * c))
                     chunks = sum(len(r.gaps) + 1 for r in results if not r.error)
                     level.frontend_us_per_chunk = ratio(
                         (server.gateway_cpu_s() - cpu) * 1e6, chunks)
@@ -532,6 +584,10 @@ def _serve_count(model: str, requests: list[list[dict]], args: argparse.Namespac
                         f"{level.frontend_us_per_chunk:.0f} CPU-us/chunk  engine "
                         f"{level.engine_ms_per_step:.2f} ms/step ({level.engine_busy:.0%} busy, "
                         f"{level.engine_prompt_share:.0%} with a prompt)  errors {level.errors}")
+                    for kind, row in level.steps.items():
+                        log(f"    {kind} steps: " + ", ".join(
+                            f"{k} {v:.0f}" if k in ("steps", "prompt_tokens", "decode_rows")
+                            else f"{k} {v:.2f}" for k, v in row.items()))
         turns = {}
         if args.turns_sessions and with_turns:
             turns = multi_turn(model, servers["new"].url, args)
@@ -604,6 +660,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also serve the code at this git ref, or in this folder (same flags, "
                         "same load)")
     p.add_argument("--no-direct", action="store_true")
+    p.add_argument("--server-args", default="", help="more chatgate serve flags")
+    p.add_argument("--step-profile", action="store_true",
+                   help="the engine's steps per kind, from the servers' debug log")
     p.add_argument("--turns-sessions", type=int, default=128, help="0: no multi-turn run")
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--turn-tokens", type=int, default=48)

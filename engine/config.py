@@ -124,16 +124,12 @@ class EngineConfig:
     seed: int = _flag(0, "seed of the weights of dummy models and of unseeded sampling")
     use_weight_cache: bool = True  # converted GGUF weights cached on disk
     enforce_eager: bool = _flag(False, "disable CUDA graphs")
-    # While sequences run, waiting ones are admitted only once this many can be (or every
-    # waiting one fits and has been held admission_hold steps), so new prefills arrive in
-    # groups: fewer steps carry a prompt beside the decode rows (see engine.scheduler).
+    # While sequences run, waiting ones are admitted only once this many slots are free (or
+    # every waiting one fits), so new prefills arrive in groups: fewer steps mix prefill with
+    # decode, and only pure-decode steps replay CUDA graphs.
     admission_batch: int | None = _flag(None, "while requests run, admit waiting ones once "
-                                              "this many can be (default: max-num-seqs/16 "
-                                              "with CUDA graphs, else 1)")
-    admission_hold: int | None = _flag(None, "while requests run, hold fewer waiting ones "
-                                             "than admission-batch back for at most this many "
-                                             "steps (default: admission-batch with CUDA "
-                                             "graphs, else 0)")
+                                              "this many slots are free (default: "
+                                              "max-num-seqs/16 with CUDA graphs, else 1)")
     # The library's default is the exact float path (greedy equals transformers' there);
     # ``chatgate serve`` defaults to "auto": int8 on the CPU, the most correct answers on
     # everyday questions and 3.6x float32's speed per stream (int4 is faster but loops more)
@@ -189,8 +185,6 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
-        if self.admission_hold is not None and self.admission_hold < 0:
-            raise ValueError(f"admission_hold must be at least 0, got {self.admission_hold}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.kv_offloading_size < 0:

@@ -85,10 +85,8 @@ class LLMEngine:
         )
         admission_batch = config.admission_batch or (
             max(1, config.max_num_seqs // 16) if self.runner.graph_sizes else 1)
-        admission_hold = (config.admission_hold if config.admission_hold is not None
-                          else admission_batch if self.runner.graph_sizes else 0)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   admission_batch, admission_hold)
+                                   admission_batch)
         self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.runner.device)
         self.info = EngineInfo(

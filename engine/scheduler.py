@@ -1,9 +1,6 @@
 """Continuous batching: each step, running sequences first, then waiting ones, under a token
 budget (chunked prefill) and a sequence cap. While sequences run, waiting ones are admitted
-once ``admission_batch`` of them can be (slots free and requests waiting), or once all of them
-fit and the first has been held ``admission_hold`` steps, so prefills come in groups: a served
-load's requests arrive one at a time, and each admitted alone would put a prompt into nearly
-every step.
+once ``admission_batch`` slots are free or all of them fit, so prefills come in groups.
 Tokens copied back from the host KV tier count against the token budget like computed ones,
 except a step's first such copy, which is never refused: a burst of returning sessions comes
 back over several steps (the first ones answer first, running requests keep stepping) rather
@@ -44,13 +41,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 admission_batch: int = 1, admission_hold: int = 0) -> None:
+                 admission_batch: int = 1) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.admission_batch = admission_batch
-        self.admission_hold = admission_hold
-        self._held = 0  # consecutive steps that held waiting sequences back
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -88,7 +83,9 @@ class Scheduler:
         for seq in self.running[i:]:
             seq.draft_token_ids.clear()
 
-        free_slots = self._admissible(self.max_num_seqs - len(self.running))
+        free_slots = self.max_num_seqs - len(self.running)
+        if self.running and free_slots < min(self.admission_batch, len(self.waiting)):
+            free_slots = 0
         reloading = False
         while not preempted and self.waiting and budget > 0 and free_slots > 0:
             seq = self.waiting[0]
@@ -114,20 +111,6 @@ class Scheduler:
         batch.copies = self.kv.take_pending_copies()
         batch.offloads, batch.reloads = self.kv.take_transfers()
         return batch
-
-    def _admissible(self, free_slots: int) -> int:
-        """How many waiting sequences this step may admit (``free_slots``, or 0 to hold them
-        back for a larger group)."""
-        if not self.running or not self.waiting:
-            self._held = 0
-            return free_slots
-        group = min(free_slots, len(self.waiting))
-        if group >= self.admission_batch or (free_slots >= len(self.waiting)
-                                             and self._held >= self.admission_hold):
-            self._held = 0
-            return free_slots
-        self._held += 1
-        return 0
 
     def _preempt(self, seq: Sequence) -> None:
         seq.draft_token_ids.clear()

@@ -33,12 +33,11 @@ STEM = [1, 2, 3, 4, 5, 6, 7, 8]
 
 class BlockMachine(RuleBasedStateMachine):
     @initialize(budget_tokens=st.sampled_from([4, 7, 64]), pin_budget=st.sampled_from([6, 24]),
-                admission_batch=st.sampled_from([1, 3]), admission_hold=st.sampled_from([0, 2]),
-                overlap=st.booleans(),
+                admission_batch=st.sampled_from([1, 3]), overlap=st.booleans(),
                 host_blocks=st.sampled_from([0, 3, 16]), small_pool=st.booleans(),
                 synchronous_copies=st.booleans())
     def setup(self, budget_tokens: int, pin_budget: int, admission_batch: int,
-              admission_hold: int, overlap: bool, host_blocks: int, small_pool: bool,
+              overlap: bool, host_blocks: int, small_pool: bool,
               synchronous_copies: bool) -> None:
         # a small device pool evicts often, so blocks come back from the host tier
         num_blocks = SMALL_POOL if small_pool else NUM_BLOCKS
@@ -50,8 +49,7 @@ class BlockMachine(RuleBasedStateMachine):
         self.synchronous_copies = synchronous_copies  # as on CPU; else completed by a rule
         self.past: list[tuple[list[int], str | None]] = []  # finished tokens and their salt
         self.scheduler = Scheduler(self.kv, max_num_seqs=6, max_num_batched_tokens=budget_tokens,
-                                   admission_batch=admission_batch,
-                                   admission_hold=admission_hold)
+                                   admission_batch=admission_batch)
         self.live: list[Sequence] = []
         self.counter = 0
         self.overlap = overlap

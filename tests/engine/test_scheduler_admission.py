@@ -1,6 +1,5 @@
 """Grouped admission: while sequences run, waiting ones join only once ``admission_batch``
-of them can, or all of them fit and have been held ``admission_hold`` steps; with nothing
-running they join at once. Copies back from
+slots are free or all of them fit; with nothing running they join at once. Copies back from
 the host KV tier share the step's token budget."""
 
 import pytest
@@ -44,30 +43,6 @@ def test_waiting_sequences_join_in_groups_while_others_run() -> None:
     scheduler.finish(first[3])
     scheduler.finish(first[4])
     assert len(run_step(scheduler)) == 2  # fewer waiting than the group size: all of them fit
-
-
-def test_fewer_waiting_than_a_group_are_held_at_most_admission_hold_steps() -> None:
-    """One request arriving at a time among running ones waits up to ``admission_hold`` steps
-    for others to join it; a full group is admitted at once, holding none back."""
-    scheduler = Scheduler(KVCacheManager(64, 4, False, 0), max_num_seqs=8,
-                          max_num_batched_tokens=1024, admission_batch=3, admission_hold=2)
-    first = make(4)
-    for seq in first:
-        scheduler.add(seq)
-    run_step(scheduler)
-    scheduler.add(make(1, start=100)[0])
-    assert run_step(scheduler) == [] and run_step(scheduler) == []  # held two steps
-    assert [s.request_id for s in run_step(scheduler)] == ["100"]
-    for seq in make(2, start=200):
-        scheduler.add(seq)
-    assert run_step(scheduler) == []
-    scheduler.add(make(1, start=300)[0])  # the third makes a group: no more holding
-    assert [s.request_id for s in run_step(scheduler)] == ["200", "201", "300"]
-
-
-def test_admission_hold_must_not_be_negative() -> None:
-    with pytest.raises(ValueError, match="admission_hold"):
-        EngineConfig(admission_hold=-1)
 
 
 def test_default_admits_as_soon_as_a_slot_frees() -> None:
