@@ -19,7 +19,7 @@ Per model (``--models``), in this order:
    (those with at least 80 % of ``C`` running) are summed up from the server's log per kind
    (with a prompt, decode only): count, mean milliseconds and mean host milliseconds of each
    section of the step (``engine.step_timing``). ``--server-args`` adds ``chatgate serve``
-   flags (e.g. ``--admission-hold 0``).
+   flags (e.g. ``--admission-batch 1``).
 3. **multi-turn** (``--turns-sessions``): sessions × turns over SSE with a shared system prompt,
    each session sending its turns one after another (the answer of each turn goes into the next
    turn's messages), once with ``session_id`` (pinned KV) and once without (prefix cache
@@ -36,7 +36,7 @@ checks that it did.
     python benchmarks/gpu_serving.py --concurrency 256 --client-procs 4 \
         --api-server-count 1,2,4                                         # front-end counts
     python benchmarks/gpu_serving.py --models dummy:smollm2-135m --concurrency 256 \
-        --turns-sessions 0 --step-profile --server-args="--admission-hold 0"  # served steps
+        --turns-sessions 0 --step-profile                  # the served engine's steps
     python benchmarks/gpu_serving.py --quick                             # smoke test
 """
 

@@ -127,15 +127,15 @@ def test_gpu_serving_step_profile_reads_each_levels_steps_from_the_server_log(
     mod = _load("gpu_serving")
     assert mod.main(["--quick", "--device", "cpu", "--dtype", "float32", "--models",
                      tiny_model, "--no-direct", "--turns-sessions", "0", "--step-profile",
-                     "--server-args=--admission-hold 0", "--out", str(tmp_path)]) == 0
+                     "--server-args=--admission-batch 1", "--out", str(tmp_path)]) == 0
     raw = json.loads((tmp_path / "gpu_serving.json").read_text())
     assert raw["levels"] and all(lv["errors"] == 0 for lv in raw["levels"])
     for level in raw["levels"]:
         decode = level["steps"]["decode"]
         assert decode["steps"] >= 1 and decode["ms"] > 0 and decode["forward"] > 0
     assert "decode steps:" in capsys.readouterr().out
-    args = mod.parse_args(["--step-profile", "--server-args=--admission-hold 0"])
-    assert mod.engine_flags("m", args)[-4:] == ["--log-level", "debug", "--admission-hold", "0"]
+    args = mod.parse_args(["--step-profile", "--server-args=--admission-batch 1"])
+    assert mod.engine_flags("m", args)[-4:] == ["--log-level", "debug", "--admission-batch", "1"]
 
 
 def test_soak_quick(tmp_path, tiny_model, capsys):
