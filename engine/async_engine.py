@@ -4,7 +4,8 @@ it requests over ZeroMQ and hands each request's delta outputs to its consumer.
 The event loop does no model work: it encodes requests, decodes one ``StepOutputs`` message per
 engine step and routes its outputs. A consumer that falls behind gets the outputs that piled up
 merged into one (vLLM's output collector), so a slow consumer costs fewer, larger deltas and
-never holds the engine back.
+never holds the engine back. The outputs' text is made here, as each consumer takes them: the
+engine sends token ids only, except for requests with stop strings (``engine.output_text``).
 
 Chat prompts are rendered here (tokenized in batches in a worker thread) with the engine's own
 tokenizer, which the engine process saves into this client's private folder before it reports
@@ -23,6 +24,7 @@ to it, watches its pid, and on shutdown only tells the engine it is done.
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -56,6 +58,7 @@ from engine.ipc import (
 )
 from engine.launch import EngineLink, engine_command, engine_environment, ipc_links, process_exit
 from engine.output_stream import OutputStream
+from engine.output_text import OutputText
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -290,6 +293,11 @@ class AsyncEngine:
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        text = None
+        if self.tokenizer is not None and params.detokenize and not params.stop:
+            assert self.info is not None
+            text = OutputText(self.tokenizer, params, self.info.eos_token_ids)
+            params = dataclasses.replace(params, detokenize=False)
         stream = self._streams[request_id] = OutputStream()
         finished = False
         try:
@@ -297,6 +305,8 @@ class AsyncEngine:
             while not finished:
                 output = await stream.get()
                 finished = output.finished
+                if text is not None:
+                    text.fill(output)
                 yield output
         finally:
             del self._streams[request_id]

@@ -15,6 +15,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     block_size: int
     num_blocks: int
     generation_defaults: GenerationDefaults  # the model's recommended sampling values
+    eos_token_ids: frozenset[int]  # tokens that end a sample (unless ignore_eos), adding no text
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the parameter and the limit; changes nothing."""

@@ -94,6 +94,7 @@ class LLMEngine:
             vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None,
             block_size=config.block_size, num_blocks=self.runner.num_blocks,
             generation_defaults=loaded.generation_defaults,
+            eos_token_ids=frozenset(self.eos_token_ids),
         )
         self.requests: dict[str, Request] = {}
         self.num_prefill_tokens = 0
@@ -138,7 +139,7 @@ class LLMEngine:
                 self.grammars.attach(seqs[-1], params.structured)
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
-            if self.tokenizer is not None else None
+            if self.tokenizer is not None and params.detokenize else None
             for _ in seqs
         ]
         self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), seqs,

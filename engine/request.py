@@ -34,7 +34,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # most requests: no generator per call (every row, every step)
+            return seqs[0].is_finished
+        return all(seq.is_finished for seq in seqs)
 
     def delta_output(self, finished: bool) -> RequestOutput:
         """What each sample has new since the last output: tokens, text, logprobs, its
@@ -87,5 +90,8 @@ class Request:
 
     def speculation(self) -> tuple[int, int]:
         """Speculative draft tokens verified and accepted so far, over the samples."""
-        return (sum(s.num_draft_tokens for s in self.seqs),
-                sum(s.num_accepted_tokens for s in self.seqs))
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs[0].num_draft_tokens, seqs[0].num_accepted_tokens
+        return (sum(s.num_draft_tokens for s in seqs),
+                sum(s.num_accepted_tokens for s in seqs))

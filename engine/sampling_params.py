@@ -29,6 +29,9 @@ class SamplingParams:
     # end a sample stuck in a loop, its tail one n-gram repeated (``engine.repetition``),
     # with finish_reason "repetition" (not one under a grammar: ``engine.json_bounds``)
     repetition_guard: bool = False
+    # False: outputs carry token ids and no text (a client detokenizes them; see
+    # ``engine.output_text``); stop strings need the text, so they need True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +55,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -89,6 +89,27 @@ async def test_concurrent_streams_equal_the_offline_engine(engine: AsyncEngine) 
     assert ticks > 10  # the event loop kept running while the engine process worked
 
 
+async def test_the_engine_process_sends_text_only_for_requests_with_stop_strings(
+        engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: dict[str, str] = {}
+    route = engine._route
+
+    def recording_route(message):  # noqa: ANN001, ANN202 - what arrives, before routing
+        for output in message.outputs:
+            sent[output.request_id] = sent.get(output.request_id, "") + "".join(
+                c.text for c in output.outputs)
+        route(message)
+
+    monkeypatch.setattr(engine, "_route", recording_route)
+    prompt = engine.tokenizer.encode("Describe the sea in two sentences.")
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    stopping = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["zzz"])
+    (_, plain_text, _), (_, stop_text, _) = await asyncio.gather(
+        _collect(engine, prompt, plain, "ids-only"), _collect(engine, prompt, stopping, "text"))
+    assert plain_text and plain_text == stop_text  # the client's text and the engine's agree
+    assert sent == {"ids-only": "", "text": stop_text}
+
+
 async def test_cancelling_a_consumer_frees_its_blocks_within_one_step(
         engine: AsyncEngine) -> None:
     params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
