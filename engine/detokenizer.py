@@ -2,7 +2,9 @@
 
 import functools
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
+
+from tokenizers.decoders import DecodeStream
 
 
 class Tokenizer(Protocol):
@@ -17,17 +19,26 @@ _CLEANUP_PROBE = "a , b . c ! d ? e 's f n't g 'm h 've i 're j"
 
 
 @functools.cache
-def decoder(tokenizer: Tokenizer) -> Callable[[list[int], bool], str]:
-    """``tokenizer.decode(ids, skip_special_tokens=...)`` as a function: straight from the Rust
-    backend when the two agree (a fast tokenizer whose decode applies no space clean-up, as
-    checked on a probe that the clean-up would change), which saves the ~10 µs of Python
-    around each call."""
+def rust_backend(tokenizer: Tokenizer) -> Any:
+    """The tokenizer's Rust backend (a ``tokenizers.Tokenizer``) when its decode is the
+    tokenizer's own (a fast tokenizer whose decode applies no space clean-up, as checked on a
+    probe that the clean-up would change), else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         probe = backend.encode(_CLEANUP_PROBE, add_special_tokens=False).ids
         if backend.decode(probe, skip_special_tokens=True) == tokenizer.decode(
                 probe, skip_special_tokens=True):
-            return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+            return backend
+    return None
+
+
+def decoder(tokenizer: Tokenizer) -> Callable[[list[int], bool], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=...)`` as a function: straight from the Rust
+    backend where it is the same (``rust_backend``), which saves the ~10 µs of Python around
+    each call."""
+    backend = rust_backend(tokenizer)
+    if backend is not None:
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
@@ -44,6 +55,8 @@ class IncrementalDetokenizer:
       string, and text that could be the start of one is held back until it cannot be;
     - each call decodes a small window (vLLM's prefix/read offsets): the ids since the last clean
       character boundary plus those of the previous release, for the tokenizer's spacing context.
+      With a Rust backend (``rust_backend``) that window is kept by ``tokenizers``' own
+      ``DecodeStream``, one call a token; otherwise here, two decodes a token.
 
     ``prompt_token_ids`` is deliberately not used as decoding context, so that the text equals
     the decode of the output ids alone for every tokenizer (SentencePiece ones strip the first
@@ -60,6 +73,10 @@ class IncrementalDetokenizer:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._decode_ids = decoder(tokenizer)
+        self._backend = rust_backend(tokenizer)
+        self._stream = (DecodeStream(skip_special_tokens=skip_special_tokens)
+                        if self._backend is not None else None)
+        self._streamed = 0  # characters of the decode the stream has returned
         self._skip_special_tokens = skip_special_tokens
         self._stop = list(stop)
         self._ids: list[int] = []
@@ -88,6 +105,12 @@ class IncrementalDetokenizer:
         if self._stop_reason is not None:
             return ""
         self._ids.append(token_id)
+        if self._stream is not None:
+            delta = self._stream.step(self._backend, token_id)
+            if delta is None:
+                return ""  # nothing new yet, or the last character is still incomplete
+            self._streamed += len(delta)
+            return self._release(delta)
         new_text = self._decode(self._prefix_offset)
         if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
             return ""  # nothing new yet, or the last character is still incomplete
@@ -98,7 +121,10 @@ class IncrementalDetokenizer:
         character (as the decoder renders it) and held-back text. Nothing after a stop."""
         if self._stop_reason is not None:
             return ""
-        out = self._release(self._advance(self._decode(self._prefix_offset)))
+        if self._stream is not None:  # what the stream holds back: the decode's rest
+            out = self._release(self._decode(0)[self._streamed:])
+        else:
+            out = self._release(self._advance(self._decode(self._prefix_offset)))
         if self._stop_reason is None:
             out += self._held
             self._text += self._held

@@ -47,12 +47,34 @@ def stream(
     return chunks, detok
 
 
+class PythonDecode:
+    """``tok`` without its Rust backend: the detokenizer keeps its window itself."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 def assert_streams_like_decode(tok: Any, ids: list[int], skip: bool = True) -> None:
+    """Through ``tokenizers``' DecodeStream and through the window kept here alike, the chunks
+    join into the full decode, never hold a replacement character the decode does not, and
+    are the same chunks."""
     chunks, detok = stream(tok, ids, skip=skip)
+    python_chunks, _ = stream(PythonDecode(tok), ids, skip=skip)
     full = tok.decode(ids, skip_special_tokens=skip)
     assert detok.text == full
+    assert chunks == python_chunks
     if "\ufffd" not in full:
         assert not any("\ufffd" in chunk for chunk in chunks)
+
+
+def test_a_fast_tokenizer_streams_through_its_rust_backend(tok: Any) -> None:
+    from engine.detokenizer import rust_backend
+
+    assert rust_backend(tok) is tok.backend_tokenizer
+    assert rust_backend(PythonDecode(tok)) is None
 
 
 @pytest.mark.parametrize("text", TEXTS)
