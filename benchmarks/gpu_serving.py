@@ -639,8 +639,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="dummy:llama-3.1-8b,smollm2")
-    p.add_argument("--tokenizer", default=None,
-                   help="a tokenizer folder for every model (chatgate serve --tokenizer)")
+    p.add_argument("--tokenizer", default=None, type=lambda path: str(Path(path).resolve()),
+                   help="a tokenizer folder for every model (chatgate serve --tokenizer; "
+                        "made absolute: a --code server runs in its own folder)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--num-requests", type=int, default=1024)

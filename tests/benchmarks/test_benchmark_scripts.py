@@ -138,6 +138,15 @@ def test_gpu_serving_step_profile_reads_each_levels_steps_from_the_server_log(
     assert mod.engine_flags("m", args)[-4:] == ["--log-level", "debug", "--admission-batch", "1"]
 
 
+def test_gpu_serving_passes_a_relative_tokenizer_folder_to_servers_in_other_folders(
+        tmp_path, monkeypatch) -> None:
+    """A ``--code`` server runs in its own folder: the tokenizer folder it gets is absolute."""
+    mod = _load("gpu_serving")
+    monkeypatch.chdir(tmp_path)
+    flags = mod.engine_flags("m", mod.parse_args(["--tokenizer", "tok"]))
+    assert flags[flags.index("--tokenizer") + 1] == str(tmp_path / "tok")
+
+
 def test_soak_quick(tmp_path, tiny_model, capsys):
     assert _load("soak").main(["--quick", "--model", tiny_model, "--out", str(tmp_path)]) == 0
     _check(tmp_path, "soak", capsys, "KV blocks in use after the load and every session "
