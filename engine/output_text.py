@@ -29,12 +29,12 @@ class OutputText:
         self._samples: dict[int, IncrementalDetokenizer] = {}
 
     def fill(self, output: RequestOutput) -> None:
+        no_text = self._no_text
         for completion in output.outputs:
             detok = self._samples.get(completion.index)
             if detok is None:
                 detok = self._samples[completion.index] = IncrementalDetokenizer(
                     self._tokenizer, [], [])
-            no_text = self._no_text
             text = "".join([detok.append(t) for t in completion.token_ids if t not in no_text])
             if completion.finish_reason not in (None, "abort"):
                 text += detok.flush()
