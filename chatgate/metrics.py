@@ -6,11 +6,14 @@ requests stream."""
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from engine.client import EngineStats
 
@@ -109,6 +112,33 @@ class _EngineCollector(Collector):
                             "back to the device.", s.kv_reload_seconds)
 
 
+class _RepeatedHistogram(Collector):
+    """A histogram of one labelled series that takes ``count`` equal observations in one call
+    (the tokens of a merged delta): ``prometheus_client.Histogram.observe`` takes them one at a
+    time, at 1.75 us each (a lock, a bisect, two locked increments). Observed and scraped on
+    the event loop's thread only."""
+
+    def __init__(self, name: str, doc: str, labels: list[str],
+                 buckets: tuple[float, ...]) -> None:
+        self._name, self._doc, self._labels = name, doc, labels
+        self._bounds = [*buckets, math.inf]
+        self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
+        self._sum = 0.0
+
+    def observe(self, value: float, count: int) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += count
+        self._sum += value * count
+
+    def collect(self) -> Iterable[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self._name, self._doc, labels=LABELS)
+        cumulative, buckets = 0, []
+        for bound, n in zip(self._bounds, self._counts, strict=True):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        family.add_metric(self._labels, buckets, self._sum)
+        yield family
+
+
 class Metrics:
     """One registry per app (so tests can build several apps in one process)."""
 
@@ -131,8 +161,10 @@ class Metrics:
                                        lbl + ["finished_reason"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
                               "Time to first token.", lbl, buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
-                             "Time between output tokens.", lbl, buckets=ITL_BUCKETS, registry=r)
+        self._itl = _RepeatedHistogram(PREFIX + "inter_token_latency_seconds",
+                                       "Time between output tokens.",
+                                       [model_name, replica_id], ITL_BUCKETS)
+        r.register(self._itl)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                              "End-to-end request latency.", lbl, buckets=E2E_BUCKETS, registry=r)
         self.active_streams = Gauge(PREFIX + "num_active_streams",
@@ -150,7 +182,6 @@ class Metrics:
         self._rate_limited = self.rate_limited.labels(*m)
         self._generation_tokens = self.generation_tokens.labels(*m)
         self._ttft = self.ttft.labels(*m)
-        self._itl = self.itl.labels(*m)
         self._e2e = self.e2e.labels(*m)
         self._finished = {reason: self.request_success.labels(*m, reason)
                           for reason in ("stop", "length", "abort")}
@@ -180,11 +211,9 @@ class Metrics:
 
     def observe_tokens(self, num_tokens: int, gap_s: float) -> None:
         """``num_tokens`` arrived together ``gap_s`` after the previous ones: each counts as
-        ``gap_s / num_tokens`` apart (at most 64 observations)."""
+        ``gap_s / num_tokens`` apart."""
         self._generation_tokens.inc(num_tokens)
-        itl = gap_s / num_tokens
-        for _ in range(min(num_tokens, 64)):
-            self._itl.observe(itl)
+        self._itl.observe(gap_s / num_tokens, num_tokens)
 
     def observe_finish(self, reasons: set[str], e2e_s: float | None) -> None:
         """A request ended with these finish reasons (one per sample kind); ``e2e_s`` when it

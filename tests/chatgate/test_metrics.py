@@ -3,6 +3,7 @@ traffic; /healthz."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 import uuid
@@ -10,6 +11,10 @@ import uuid
 import httpx
 import pytest
 from chatgate_testlib import auth
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from chatgate.metrics import ITL_BUCKETS, LABELS, Metrics
 
 NAMES = [
     "chatgate:num_requests_running",
@@ -132,3 +137,32 @@ def test_healthz(server):
     for key in ("num_requests_running", "num_blocks_total", "num_blocks_used",
                 "num_pinned_sessions", "kv_cache_usage"):
         assert key in h["engine"]
+
+
+def test_a_merged_delta_counts_in_the_itl_histogram_as_its_tokens_one_by_one():
+    """``observe_tokens(n, gap)`` exposes what n observations of ``gap / n`` in
+    prometheus_client's own Histogram expose: every bucket and the count equal, the sum up to
+    rounding."""
+    reference = CollectorRegistry()
+    histogram = Histogram("chatgate:inter_token_latency_seconds", "Time between output tokens.",
+                          LABELS, buckets=ITL_BUCKETS, registry=reference).labels("m", "r")
+    metrics = Metrics("m", "r")
+    rng = random.Random(0)
+    for _ in range(500):
+        n = rng.randint(1, 9)
+        gap = n * rng.choice([*ITL_BUCKETS, 0.0, 1e3, rng.uniform(0, 0.5)])  # edges included
+        metrics.observe_tokens(n, gap)
+        for _ in range(n):
+            histogram.observe(gap / n)
+
+    def samples(registry: CollectorRegistry) -> dict:
+        text = generate_latest(registry).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text)
+                if family.name == "chatgate:inter_token_latency_seconds"
+                for s in family.samples}
+
+    ours, theirs = samples(metrics.registry), samples(reference)
+    assert ours.keys() == theirs.keys() and len(ours) == len(ITL_BUCKETS) + 3  # +Inf, count, sum
+    for key, value in theirs.items():
+        assert ours[key] == pytest.approx(value, rel=1e-12), key
