@@ -69,7 +69,8 @@ async def start_engine(settings: Settings, front_end: FrontEnd | None = None) ->
              config.device or "auto", config.dtype or "auto", config.block_size)
     t0 = time.perf_counter()
     engine = AsyncEngine(config, log_level=settings.log_level,
-                         link=None if front_end is None else front_end.link)
+                         link=None if front_end is None else front_end.link,
+                         stream_interval=settings.stream_interval)
     await engine.start()
     log.info("model %s loaded in %.1fs: max_model_len=%d", engine.model_name,
              time.perf_counter() - t0, engine.max_model_len)

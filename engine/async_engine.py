@@ -84,8 +84,9 @@ class EngineStepError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, log_level: str = "info",
-                 link: EngineLink | None = None) -> None:
+                 link: EngineLink | None = None, stream_interval: int = 1) -> None:
         self.config = config
+        self.stream_interval = stream_interval  # tokens a stream gathers (``OutputStream``)
         self.log_level = log_level
         self.link = link  # the engine another process started, to attach to
         self.pinned_at: dict[str, float] = {}  # session id -> monotonic time of its last pin
@@ -298,7 +299,7 @@ class AsyncEngine:
             assert self.info is not None
             text = OutputText(self.tokenizer, params, self.info.eos_token_ids)
             params = dataclasses.replace(params, detokenize=False)
-        stream = self._streams[request_id] = OutputStream()
+        stream = self._streams[request_id] = OutputStream(self.stream_interval)
         finished = False
         try:
             self._send(AddRequest(request_id, prompt_token_ids, params, session_id, cache_salt))

@@ -23,12 +23,15 @@ from test_sessions import TURNS, check_reuse, recv_event, unique_system, ws_turn
 from engine.launch import OPENMP_WAIT, openmp_wait
 
 HEADER = "x-chatgate-api-server"
+STREAM_INTERVAL = 3
 
 
 def start_two_front_ends(log: Path, prefix: str | None) -> Server:
-    """Two front-ends on Redis under ``prefix``, or (None) on the in-process store."""
+    """Two front-ends on Redis under ``prefix``, or (None) on the in-process store, streaming
+    deltas of ``STREAM_INTERVAL`` tokens."""
     store = [] if prefix is None else ["--redis-url", REDIS_URL, "--redis-prefix", prefix]
     return Server(["--api-server-count", "2", *store, "--max-model-len", "1024",
+                   "--stream-interval", str(STREAM_INTERVAL),
                    "--server-secret", "test-secret-0123456789abcdef"], log).start()
 
 
@@ -88,8 +91,9 @@ def processes(root: int) -> dict[int, str]:
     return out
 
 
-def sse_turn(client: httpx.Client, body: dict) -> tuple[str, dict]:
-    """One streamed chat turn: its text and usage."""
+def sse_turn(client: httpx.Client, body: dict, deltas: list[str] | None = None
+             ) -> tuple[str, dict]:
+    """One streamed chat turn: its text and usage (and each content delta into ``deltas``)."""
     text, usage = "", None
     with client.stream("POST", "/v1/chat/completions", json={
             **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
@@ -98,8 +102,10 @@ def sse_turn(client: httpx.Client, body: dict) -> tuple[str, dict]:
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
-            if chunk["choices"]:
-                text += chunk["choices"][0]["delta"].get("content") or ""
+            if chunk["choices"] and (content := chunk["choices"][0]["delta"].get("content")):
+                text += content
+                if deltas is not None:
+                    deltas.append(content)
             if chunk.get("usage"):
                 usage = chunk["usage"]
     assert usage is not None
@@ -111,6 +117,19 @@ def test_both_front_ends_stream_sse(clients):
         text, usage = sse_turn(client, {"model": "smollm2", "max_tokens": 6, "temperature": 0,
                                         "messages": [{"role": "user", "content": "Hi"}]})
         assert text and usage["completion_tokens"] > 0
+
+
+def test_every_front_end_streams_deltas_of_the_stream_interval(clients):
+    """12 tokens: the first at once, then (a client that keeps up) groups of 3, so 5 content
+    deltas at most where one a token would be 12."""
+    for client in clients.values():
+        deltas: list[str] = []
+        _, usage = sse_turn(client, {"model": "smollm2", "max_tokens": 12, "temperature": 0,
+                                     "ignore_eos": True,
+                                     "messages": [{"role": "user", "content": "Count to 20."}]},
+                            deltas)
+        assert usage["completion_tokens"] == 12
+        assert 1 < len(deltas) <= 1 + -(-11 // STREAM_INTERVAL), deltas
 
 
 async def test_both_front_ends_serve_websocket_sessions(server):
