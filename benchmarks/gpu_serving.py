@@ -14,7 +14,8 @@ Per model (``--models``), in this order:
    client is not the bottleneck; each request's TTFT and chunk gaps (ITL) are timed where the
    bytes arrive, and its token count is read from the server's usage. With
    ``--api-server-count 1,2,4`` the server runs once per count (N front-end processes sharing
-   one engine), one after the other; its paths are named ``sse xN`` / ``ws xN`` (N > 1).
+   one engine), one after the other; its paths are named ``sse xN`` / ``ws xN`` (N > 1); so
+   with ``--stream-interval 1,4`` (deltas of N tokens: paths ``sse iN``), for each count.
    With ``--step-profile`` the servers log at debug level, and each level's engine steps
    (those with at least 80 % of ``C`` running) are summed up from the server's log per kind
    (with a prompt, decode only): count, mean milliseconds and mean host milliseconds of each
@@ -526,29 +527,36 @@ def multi_turn(model: str, url: str, args: argparse.Namespace) -> dict:
 
 def serve_and_load(model: str, requests: list[list[dict]], args: argparse.Namespace,
                    codes: dict[str, Path], log: Tee) -> tuple[list[Level], dict]:
-    """Every ``--api-server-count`` in turn: its servers (one per code), the load at each
-    concurrency and transport; then the multi-turn run on the last count's server."""
+    """Every ``--api-server-count`` and ``--stream-interval`` in turn: its servers (one per
+    code), the load at each concurrency and transport; then the multi-turn run on the last
+    server."""
     levels: list[Level] = []
     turns: dict = {}
-    for k, count in enumerate(args.api_server_count):
-        last = k == len(args.api_server_count) - 1
-        served, turns = _serve_count(model, requests, args, codes, log, count, last)
+    variants = [(count, interval) for count in args.api_server_count
+                for interval in args.stream_interval]
+    for k, (count, interval) in enumerate(variants):
+        served, turns = _serve_variant(model, requests, args, codes, log, count, interval,
+                                       k == len(variants) - 1)
         levels += served
     return levels, turns
 
 
-def _serve_count(model: str, requests: list[list[dict]], args: argparse.Namespace,
-                 codes: dict[str, Path], log: Tee, count: int,
-                 with_turns: bool) -> tuple[list[Level], dict]:
+def _serve_variant(model: str, requests: list[list[dict]], args: argparse.Namespace,
+                   codes: dict[str, Path], log: Tee, count: int, interval: int,
+                   with_turns: bool) -> tuple[list[Level], dict]:
     servers = {}
     flags = engine_flags(model, args)
+    suffix = ""
     if count > 1:  # an older --code without the flag runs at count 1 only
         flags += ["--api-server-count", str(count)]
-    suffix = f" x{count}" if count > 1 else ""
+        suffix += f" x{count}"
+    if interval > 1:  # the same for --stream-interval
+        flags += ["--stream-interval", str(interval)]
+        suffix += f" i{interval}"
     try:
         for name, code in codes.items():
-            servers[name] = Server(code, flags,
-                                   args.out / f"gpu_serving_server_{name}{suffix.strip()}.log")
+            log_name = f"gpu_serving_server_{name}{suffix.replace(' ', '_')}.log"
+            servers[name] = Server(code, flags, args.out / log_name)
         for server in servers.values():
             server.wait_ready()
         for server in servers.values():  # warm-up: kernels compiled, graphs used
@@ -651,6 +659,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--transports", default="sse,ws")
     p.add_argument("--api-server-count", default="1",
                    help="comma-separated front-end process counts, each served in turn")
+    p.add_argument("--stream-interval", default="1",
+                   help="comma-separated stream intervals (tokens a delta), each served in turn")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -679,6 +689,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.turn_tokens, args.system_tokens = 4, 80
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.api_server_count = [int(n) for n in args.api_server_count.split(",")]
+    args.stream_interval = [int(n) for n in args.stream_interval.split(",")]
     args.transports = [t for t in args.transports.split(",") if t]
     args.models = [m for m in args.models.split(",") if m]
     return args
@@ -714,7 +725,8 @@ def main(argv: list[str] | None = None) -> int:
                      and d.concurrency == lv.concurrency), float("nan"))
         rows.append([lv.model, lv.path, lv.concurrency, lv.tok_s, ratio(lv.tok_s, base),
                      lv.ttft_p50, lv.ttft_p99, lv.itl_p50 * 1000, lv.itl_p99 * 1000,
-                     lv.tokens_per_chunk, lv.frontend_us_per_chunk, lv.engine_ms_per_step,
+                     lv.tokens_per_chunk, lv.frontend_us_per_chunk,
+                     ratio(lv.frontend_us_per_chunk, lv.tokens_per_chunk), lv.engine_ms_per_step,
                      lv.engine_prompt_share, lv.engine_busy, lv.errors])
     (args.out / "gpu_serving.json").write_text(json.dumps(
         {"argv": sys.argv[1:] if argv is None else argv, "machine": machine_info(),
@@ -730,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['computed_fraction_later']:.1%}, errors {row['errors']}")
     log(table(rows, ["model", "path", "C", "tok/s", "/direct", "TTFT p50 s", "TTFT p99 s",
                      "ITL p50 ms", "ITL p99 ms", "tok/chunk", "gw CPU-us/chunk",
-                     "engine ms/step", "prompt steps", "engine busy", "errors"]))
+                     "gw CPU-us/tok", "engine ms/step", "prompt steps", "engine busy", "errors"]))
     log(side_by_side(levels))
     log.close()
     return 0

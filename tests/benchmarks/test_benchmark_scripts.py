@@ -98,18 +98,24 @@ def test_gpu_e2e_cpu_smoke(tmp_path, tiny_model, capsys, monkeypatch):
 
 def test_gpu_serving_quick(tmp_path, tiny_model, capsys):
     """The serving benchmark's every path on CPU: direct, SSE and WebSocket through a real
-    ``chatgate serve`` with one and with two front-end processes, and the multi-turn run with
-    and without session_id; every request gets its tokens."""
+    ``chatgate serve`` with one and with two front-end processes, each streaming every token and
+    groups of 3, and the multi-turn run with and without session_id; every request gets its
+    tokens, in fewer chunks with groups."""
     mod = _load("gpu_serving")
     assert mod.main(["--quick", "--device", "cpu", "--dtype", "float32", "--models",
-                     tiny_model, "--api-server-count", "1,2", "--out", str(tmp_path)]) == 0
+                     tiny_model, "--api-server-count", "1,2", "--stream-interval", "1,3",
+                     "--out", str(tmp_path)]) == 0
     _check(tmp_path, "gpu_serving", capsys, "/direct", "ITL p50 ms", "multi-turn",
            "ratio to direct")
     raw = json.loads((tmp_path / "gpu_serving.json").read_text())
     paths = {(lv["path"], lv["concurrency"]) for lv in raw["levels"]}
-    assert paths == {(p, c) for p in ("direct", "sse", "ws", "sse x2", "ws x2")
-                     for c in (1, 3)}
+    assert paths == {(p + v, c) for p in ("sse", "ws") for v in ("", " i3", " x2", " x2 i3")
+                     for c in (1, 3)} | {("direct", 1), ("direct", 3)}
     assert all(lv["errors"] == 0 and lv["tokens"] == 6 * 4 for lv in raw["levels"])
+    chunk_tokens = {lv["path"]: lv["tokens_per_chunk"] for lv in raw["levels"]
+                    if lv["concurrency"] == 1}
+    assert chunk_tokens["sse i3"] > chunk_tokens["sse"]
+    assert chunk_tokens["ws i3"] > chunk_tokens["ws"]
     # the engine's loop, counted on every path (NaN fails these)
     assert all(lv["engine_ms_per_step"] > 0 and 0 < lv["engine_prompt_share"] <= 1
                for lv in raw["levels"])
