@@ -612,21 +612,27 @@ def _serve_variant(model: str, requests: list[list[dict]], args: argparse.Namesp
 
 
 def plot(levels: list[Level], *axes) -> None:
-    """Output tokens/s by path and concurrency, one axis per model (sorted)."""
+    """Per model (sorted), two axes: output tokens/s, and the gateway's CPU time a token, by
+    path and concurrency."""
     models = sorted({lv.model for lv in levels})
-    for ax, model in zip(axes, models, strict=True):
+    for k, model in enumerate(models):
         rows = [lv for lv in levels if lv.model == model]
         paths = list(dict.fromkeys(lv.path for lv in rows))
         concs = sorted({lv.concurrency for lv in rows})
         width = 0.8 / len(paths)
-        for j, p in enumerate(paths):
-            ys = [next((lv.tok_s for lv in rows if lv.path == p and lv.concurrency == c), 0)
-                  for c in concs]
-            ax.bar([i + j * width for i in range(len(concs))], ys, width, label=p)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(concs))])
-        ax.set_xticklabels([f"C={c}" for c in concs])
-        ax.set_ylabel("output tokens/s")
-        ax.set_title(model)
+        for ax, value, label in (
+                (axes[2 * k], lambda lv: lv.tok_s, "output tokens/s"),
+                (axes[2 * k + 1], lambda lv: ratio(lv.frontend_us_per_chunk,
+                                                   lv.tokens_per_chunk),
+                 "gateway CPU-us a token")):
+            for j, p in enumerate(paths):
+                ys = [next((value(lv) for lv in rows if lv.path == p and lv.concurrency == c),
+                           0) for c in concs]
+                ax.bar([i + j * width for i in range(len(concs))], ys, width, label=p)
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(concs))])
+            ax.set_xticklabels([f"C={c}" for c in concs])
+            ax.set_ylabel(label)
+            ax.set_title(model)
 
 
 def side_by_side(levels: list[Level]) -> str:
@@ -733,8 +739,8 @@ def main(argv: list[str] | None = None) -> int:
          "levels": [asdict(lv) for lv in levels], "multi_turn": turns}, indent=1))
     if levels:
         models = len({lv.model for lv in levels})
-        save_figure(args.out / "gpu_serving.png", functools.partial(plot, levels), ncols=models,
-                    figsize=(6 * models, 4), dpi=120)
+        save_figure(args.out / "gpu_serving.png", functools.partial(plot, levels),
+                    ncols=2 * models, figsize=(12 * models, 4), dpi=120)
     for model, modes in turns.items():
         for mode, row in modes.items():
             log(f"multi-turn {model} {mode}: turns>=2 TTFT p50 {row['ttft_later_p50']:.3f} s, "
