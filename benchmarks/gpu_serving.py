@@ -140,6 +140,10 @@ class Level:
     engine_busy: float = float("nan")
     steps: dict[str, dict[str, float]] = field(default_factory=dict)  # --step-profile
 
+    @property
+    def frontend_us_per_token(self) -> float:
+        return ratio(self.frontend_us_per_chunk, self.tokens_per_chunk)
+
 
 def summarize(model: str, path: str, concurrency: int, results: list[Request],
               expected_tokens: int) -> Level:
@@ -622,8 +626,7 @@ def plot(levels: list[Level], *axes) -> None:
         width = 0.8 / len(paths)
         for ax, value, label in (
                 (axes[2 * k], lambda lv: lv.tok_s, "output tokens/s"),
-                (axes[2 * k + 1], lambda lv: ratio(lv.frontend_us_per_chunk,
-                                                   lv.tokens_per_chunk),
+                (axes[2 * k + 1], lambda lv: lv.frontend_us_per_token,
                  "gateway CPU-us a token")):
             for j, p in enumerate(paths):
                 ys = [next((value(lv) for lv in rows if lv.path == p and lv.concurrency == c),
@@ -731,8 +734,8 @@ def main(argv: list[str] | None = None) -> int:
                      and d.concurrency == lv.concurrency), float("nan"))
         rows.append([lv.model, lv.path, lv.concurrency, lv.tok_s, ratio(lv.tok_s, base),
                      lv.ttft_p50, lv.ttft_p99, lv.itl_p50 * 1000, lv.itl_p99 * 1000,
-                     lv.tokens_per_chunk, lv.frontend_us_per_chunk,
-                     ratio(lv.frontend_us_per_chunk, lv.tokens_per_chunk), lv.engine_ms_per_step,
+                     lv.tokens_per_chunk, lv.frontend_us_per_chunk, lv.frontend_us_per_token,
+                     lv.engine_ms_per_step,
                      lv.engine_prompt_share, lv.engine_busy, lv.errors])
     (args.out / "gpu_serving.json").write_text(json.dumps(
         {"argv": sys.argv[1:] if argv is None else argv, "machine": machine_info(),

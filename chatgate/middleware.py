@@ -48,11 +48,11 @@ class _SendWatch:
     """Cancels the task serving a response once one of its streamed chunks has waited
     ``timeout`` seconds for the client to take it. One timer per response, checking every
     ``timeout / 4``: a timeout around each chunk's send (``asyncio.timeout``: 5 us) would cost
-    as much as the rest of a chunk's Python. ``fired`` tells this cancellation from others."""
+    as much as the rest of a chunk's Python."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self.fired = False
+        self._fired = False
         self._waiting_since: float | None = None  # when the send in progress began
         self._task = asyncio.current_task()
         self._loop = asyncio.get_running_loop()
@@ -71,7 +71,7 @@ class _SendWatch:
         since = self._waiting_since
         if since is not None and self._loop.time() - since >= self.timeout:
             assert self._task is not None
-            self.fired = True
+            self._fired = True
             self._task.cancel()
         else:
             self._timer = self._loop.call_later(self.timeout / 4, self._check)
@@ -79,6 +79,12 @@ class _SendWatch:
     def stop(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+
+    def took_cancellation(self) -> bool:
+        """Whether the task's ``CancelledError`` is this watch's alone (then withdrawn, as
+        ``asyncio.timeout`` does), not also someone else's."""
+        assert self._task is not None
+        return self._fired and self._task.uncancel() == 0
 
 
 def origin_allowed(headers: Headers, allowed: list[str]) -> bool:
@@ -205,8 +211,7 @@ class RequestGuard:
                 status = e.error.status
                 await e.error.response()(scope, receive, send)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not watch.fired or (task is not None and task.uncancel() > 0):
+            if not watch.took_cancellation():
                 raise
             # Returning with the response unfinished makes the server close the connection.
             log.warning("dropped %s %s: the client read nothing for %g s", scope["method"],
