@@ -251,7 +251,8 @@ async def _lifespan(app: Starlette, settings: Settings, tenants: TenantRegistry,
     log.info("session store: %s%s", type(store).__name__,
              f" at {settings.redis_url}" if settings.redis_url else
              " (in-process)" if front_end is None else " (the supervisor's, in-process)")
-    metrics = Metrics(settings.served_model_name or eng.model_name, settings.replica_id)
+    metrics = Metrics(settings.served_model_name or eng.model_name, settings.replica_id,
+                      None if front_end is None else front_end.metrics_dir)
     metrics.attach_engine(eng.stats)
     gw = Gateway(settings, eng, tenants, store, metrics)
     defaults = ", ".join(f"{k}={v}" for k, v in gw.sampling_defaults.items())

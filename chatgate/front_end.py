@@ -15,5 +15,6 @@ class FrontEnd:
     index: int
     count: int
     link: EngineLink
+    metrics_dir: str  # prometheus_client's multiprocess files, shared by every front-end
     store_address: str | None = None  # the supervisor's in-process store (no Redis)
     store_authkey: bytes = b""

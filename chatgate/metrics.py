@@ -2,18 +2,24 @@
 
 Engine gauges (running/waiting requests, KV usage, pinned sessions, KV waste) are read from
 ``engine.stats()`` at scrape time; latencies and token counters are observed by the gateway as
-requests stream."""
+requests stream (summed over the front-end processes when there are several)."""
 
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    values,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from engine.client import EngineStats
 
@@ -112,41 +118,40 @@ class _EngineCollector(Collector):
                             "back to the device.", s.kv_reload_seconds)
 
 
-class _RepeatedHistogram(Collector):
-    """A histogram of one labelled series that takes ``count`` equal observations in one call
-    (the tokens of a merged delta): ``prometheus_client.Histogram.observe`` takes them one at a
-    time, at 1.75 us each (a lock, a bisect, two locked increments). Observed and scraped on
-    the event loop's thread only."""
+class _RepeatedHistogram(Histogram):
+    """prometheus_client's Histogram that also takes ``count`` equal observations in one call
+    (the tokens of a merged delta), where ``observe`` takes them one at a time at 1.75 us each
+    (a lock, a scan of the bounds, two locked increments). It adds to the parent's own value
+    slots, so the exposition, and the files of multiprocess mode, are the parent's."""
 
-    def __init__(self, name: str, doc: str, labels: list[str],
-                 buckets: tuple[float, ...]) -> None:
-        self._name, self._doc, self._labels = name, doc, labels
-        self._bounds = [*buckets, math.inf]
-        self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
-        self._sum = 0.0
-
-    def observe(self, value: float, count: int) -> None:
-        self._counts[bisect.bisect_left(self._bounds, value)] += count
-        self._sum += value * count
-
-    def collect(self) -> Iterable[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self._name, self._doc, labels=LABELS)
-        cumulative, buckets = 0, []
-        for bound, n in zip(self._bounds, self._counts, strict=True):
-            cumulative += n
-            buckets.append((floatToGoString(bound), cumulative))
-        family.add_metric(self._labels, buckets, self._sum)
-        yield family
+    def observe_repeated(self, value: float, count: int) -> None:
+        self._sum.inc(value * count)
+        self._buckets[bisect.bisect_left(self._upper_bounds, value)].inc(count)
 
 
 class Metrics:
-    """One registry per app (so tests can build several apps in one process)."""
+    """One registry per app (so tests can build several apps in one process).
 
-    def __init__(self, model_name: str, replica_id: str) -> None:
+    With ``multiprocess_dir`` (one of several front-end processes, ``--api-server-count``) the
+    gateway's own series are kept in prometheus_client's multiprocess files in that folder, and
+    a scrape of any front-end reads them all: counters and histograms summed over the
+    front-ends, the stream gauge summed over the live ones. The process must have had
+    ``PROMETHEUS_MULTIPROC_DIR`` set to that folder before it imported prometheus_client,
+    which picks its value store at import."""
+
+    def __init__(self, model_name: str, replica_id: str,
+                 multiprocess_dir: str | None = None) -> None:
         self.model_name = model_name
         self.replica_id = replica_id
         self.registry = CollectorRegistry()
-        r, lbl = self.registry, LABELS
+        r: CollectorRegistry | None = self.registry
+        if multiprocess_dir is not None:
+            if values.ValueClass is values.MutexValue:
+                raise RuntimeError("PROMETHEUS_MULTIPROC_DIR was not set when prometheus_client "
+                                   "was imported")
+            MultiProcessCollector(self.registry, path=multiprocess_dir)
+            r = None  # the series are read from the files, not from this process's objects
+        lbl = LABELS
         self.prefix_cache_queries = Counter(
             PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
             lbl, registry=r)
@@ -161,15 +166,14 @@ class Metrics:
                                        lbl + ["finished_reason"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
                               "Time to first token.", lbl, buckets=TTFT_BUCKETS, registry=r)
-        self._itl = _RepeatedHistogram(PREFIX + "inter_token_latency_seconds",
-                                       "Time between output tokens.",
-                                       [model_name, replica_id], ITL_BUCKETS)
-        r.register(self._itl)
+        self.itl = _RepeatedHistogram(PREFIX + "inter_token_latency_seconds",
+                                      "Time between output tokens.", lbl, buckets=ITL_BUCKETS,
+                                      registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                              "End-to-end request latency.", lbl, buckets=E2E_BUCKETS, registry=r)
         self.active_streams = Gauge(PREFIX + "num_active_streams",
                                     "Open gateway streams by transport.", lbl + ["transport"],
-                                    registry=r)
+                                    registry=r, multiprocess_mode="livesum")
         self.rate_limited = Counter(PREFIX + "rate_limited_requests",
                                     "Requests refused by a tenant limit.", lbl, registry=r)
 
@@ -183,6 +187,7 @@ class Metrics:
         self._generation_tokens = self.generation_tokens.labels(*m)
         self._ttft = self.ttft.labels(*m)
         self._e2e = self.e2e.labels(*m)
+        self._itl = self.itl.labels(*m)
         self._finished = {reason: self.request_success.labels(*m, reason)
                           for reason in ("stop", "length", "abort")}
         self._streams = {transport: self.active_streams.labels(*m, transport)
@@ -213,7 +218,7 @@ class Metrics:
         """``num_tokens`` arrived together ``gap_s`` after the previous ones: each counts as
         ``gap_s / num_tokens`` apart."""
         self._generation_tokens.inc(num_tokens)
-        self._itl.observe(gap_s / num_tokens, num_tokens)
+        self._itl.observe_repeated(gap_s / num_tokens, num_tokens)
 
     def observe_finish(self, reasons: set[str], e2e_s: float | None) -> None:
         """A request ended with these finish reasons (one per sample kind); ``e2e_s`` when it

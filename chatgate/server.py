@@ -93,6 +93,8 @@ def _already_shut_down(signum: int, frame: FrameType | None) -> None:
 def run_front_end(settings: Settings, front_end: FrontEnd, sock: socket.socket) -> None:
     """A front-end process's body (the target of its ``multiprocessing.Process``)."""
     configure_logging(settings.log_level)
+    # before the app imports prometheus_client, which picks its value store at import
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = front_end.metrics_dir
     parent = multiprocessing.parent_process()
     assert parent is not None
     threading.Thread(target=_stop_with_parent, args=(parent.sentinel,), daemon=True,
@@ -143,9 +145,11 @@ def serve_many(settings: Settings) -> int:
     if settings.redis_url is None:
         store_address = f"{ipc_dir}/sessions"
         serve_store(store_address, store_authkey, settings.session_ttl)
+    metrics_dir = f"{ipc_dir}/metrics"
+    os.mkdir(metrics_dir)
     spawn = multiprocessing.get_context("spawn")
     front_ends = [spawn.Process(target=run_front_end, name=f"chatgate-api-{i}", args=(
-        settings, FrontEnd(i, count, link, store_address, store_authkey), sock))
+        settings, FrontEnd(i, count, link, metrics_dir, store_address, store_authkey), sock))
                   for i, link in enumerate(links)]
     stop = _Stop()
     handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import websockets
 from chatgate_testlib import REDIS_URL, Server, redis_delete_prefix
+from prometheus_client.parser import text_string_to_metric_families
 from test_gateway_process import mapped_heavy_libraries
 from test_sessions import TURNS, check_reuse, recv_event, unique_system, ws_turn
 
@@ -130,6 +131,51 @@ def test_every_front_end_streams_deltas_of_the_stream_interval(clients):
                             deltas)
         assert usage["completion_tokens"] == 12
         assert 1 < len(deltas) <= 1 + -(-11 // STREAM_INTERVAL), deltas
+
+
+GATEWAY_SERIES = ("chatgate:request_success_total", "chatgate:time_to_first_token_seconds_count",
+                  "chatgate:e2e_request_latency_seconds_count",
+                  "chatgate:inter_token_latency_seconds_count",
+                  "chatgate:generation_tokens_total", "chatgate:num_active_streams")
+
+
+def gateway_series(client: httpx.Client) -> dict[str, float]:
+    """The gateway's own series in one front-end's /metrics, each summed over its labels."""
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    found = dict.fromkeys(GATEWAY_SERIES, 0.0)
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name in found:
+                found[sample.name] += sample.value
+    return found
+
+
+def test_a_scrape_of_either_front_end_counts_the_requests_of_both(clients):
+    before = gateway_series(clients[0])
+    tokens = 0
+    for index, requests in ((0, 1), (1, 2)):
+        for _ in range(requests):
+            _, usage = sse_turn(clients[index], {
+                "model": "smollm2", "max_tokens": 5, "temperature": 0,
+                "messages": [{"role": "user", "content": "Count to three."}]})
+            tokens += usage["completion_tokens"]
+    deadline = time.monotonic() + 10  # a request is counted as its stream closes
+    while True:
+        after = {index: gateway_series(client) for index, client in clients.items()}
+        done = after[0]["chatgate:request_success_total"] - before[
+            "chatgate:request_success_total"]
+        if done >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert after[0] == after[1]
+    delta = {name: after[0][name] - before[name] for name in GATEWAY_SERIES}
+    assert delta["chatgate:request_success_total"] == 3
+    assert delta["chatgate:time_to_first_token_seconds_count"] == 3
+    assert delta["chatgate:e2e_request_latency_seconds_count"] == 3
+    assert delta["chatgate:generation_tokens_total"] == tokens
+    assert 0 < delta["chatgate:inter_token_latency_seconds_count"] <= tokens - 3
+    assert after[0]["chatgate:num_active_streams"] == 0
 
 
 async def test_both_front_ends_serve_websocket_sessions(server):
