@@ -15,6 +15,7 @@ its parent's sentinel does, so a killed supervisor takes everything with it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -30,6 +31,9 @@ import threading
 from types import FrameType
 from typing import Any
 
+import uvicorn
+from starlette.applications import Starlette
+
 from chatgate.front_end import FrontEnd
 from chatgate.settings import Settings
 from chatgate.shared_store import serve_store
@@ -38,6 +42,8 @@ from engine.launch import engine_command, engine_environment, ipc_links
 
 log = logging.getLogger("chatgate")
 
+SHUTDOWN_TIMEOUT_S = 5.0  # uvicorn's graceful shutdown: then it cancels what still runs
+STREAM_GRACE_S = 3.0  # for open streams to finish at shutdown, before the gateway ends them
 STOP_TIMEOUT_S = 30.0  # for the front-ends, then for the engine, before they are killed
 ENGINE_STOP_S = 5.0  # for the engine once the front-ends are gone, before its pipe closes
 
@@ -56,8 +62,6 @@ def _run(settings: Settings, front_end: FrontEnd | None, sock: socket.socket | N
     # imported here, not at the top: the app imports the engine's client and transformers
     # (seconds, though no torch), which `chatgate hash-key`, `--help` and the supervisor of
     # several front-ends do not need
-    import uvicorn
-
     from chatgate.app import create_app
 
     app = create_app(settings, front_end)
@@ -71,10 +75,10 @@ def _run(settings: Settings, front_end: FrontEnd | None, sock: socket.socket | N
         # Frames a bit over the app's limit get an ``error`` event (socket open); only far
         # larger ones are cut by the protocol layer (close 1009).
         ws_max_size=max(4 * settings.ws_max_message_bytes, 1 << 20),
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
         access_log=settings.log_level == "debug",
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, app)
     # uvicorn shuts down in order on SIGTERM, then raises the signal again for the handler it
     # found when it started: this one, so that a clean shutdown exits with the status below
     # instead of dying by the signal
@@ -84,6 +88,27 @@ def _run(settings: Settings, front_end: FrontEnd | None, sock: socket.socket | N
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C once it has shut down in order
         pass
     return 0 if server.started and not app.state.engine_failed else 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which at shutdown (it stops accepting, then waits for the open
+    responses) ends the streams still open after ``STREAM_GRACE_S`` itself, each with an
+    in-band 503 error: uvicorn would cancel their tasks at ``SHUTDOWN_TIMEOUT_S``, logging an
+    error and a traceback for each."""
+
+    def __init__(self, config: uvicorn.Config, app: Starlette) -> None:
+        super().__init__(config)
+        self._app = app
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        gateway = getattr(self._app.state, "gateway", None)  # None if it never started
+        timer = (None if gateway is None else
+                 asyncio.get_running_loop().call_later(STREAM_GRACE_S, gateway.end_streams))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
 
 def _already_shut_down(signum: int, frame: FrameType | None) -> None:
@@ -123,8 +148,6 @@ def serve_many(settings: Settings) -> int:
     """Supervise one engine process and ``settings.api_server_count`` front-ends on one
     socket until one of them exits or a signal says stop; the exit status is 0 only for a
     requested stop that every process completed cleanly."""
-    import uvicorn  # its socket binding (address families, SO_REUSEADDR, the log line)
-
     count = settings.api_server_count
     sock = uvicorn.Config("chatgate.app:create_app", host=settings.host,
                           port=settings.port).bind_socket()

@@ -55,6 +55,15 @@ def engine_unavailable(reason: str) -> APIError:
     return APIError(503, f"The engine is not running: {reason}", code="engine_unavailable")
 
 
+class ShuttingDown(Exception):
+    """Ends the streams still open when the gateway's shutdown grace period is over."""
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The gateway is shutting down; send the request again.",
+                    code="server_shutting_down")
+
+
 class Gateway:
     def __init__(
         self,
@@ -82,15 +91,28 @@ class Gateway:
         self._generating: set[str] = set()
         self._unpin_task: asyncio.Task | None = None
         self.created = int(time.time())
+        self.shutting_down = False
 
     # ----------------------------------------------------------------- identity & limits
     def accepts_model(self, model: str) -> bool:
         return model in {self.model_name, self.engine_model_name}
 
     def check_engine(self) -> None:
-        """503 once the engine process is gone."""
+        """503 once the engine process is gone or the open streams were ended for shutdown."""
         if self.engine.dead is not None:
             raise engine_unavailable(self.engine.dead)
+        if self.shutting_down:
+            raise shutting_down()
+
+    def end_streams(self) -> None:
+        """End every open stream with a 503 ``server_shutting_down`` error (in-band: an SSE
+        error chunk, a WebSocket ``error`` event) and refuse new turns; the streams' engine
+        requests are aborted. Called once the streams' shutdown grace period is over."""
+        self.shutting_down = True
+        ended = self.engine.fail_requests(ShuttingDown())
+        if ended:
+            log.warning("shutting down: ended %d open stream(s) that outlasted the grace "
+                        "period", ended)
 
     def admit(self, tenant: Tenant) -> None:
         """Take one request/stream slot of the tenant or raise a 429 ``APIError``."""

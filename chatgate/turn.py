@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatgate.errors import APIError
-from chatgate.service import Gateway, engine_unavailable
+from chatgate.service import Gateway, ShuttingDown, engine_unavailable, shutting_down
 from chatgate.tenants import Tenant
 from engine.client import EngineDeadError, EngineStepError, RequestOutput, SamplingParams
 
@@ -306,6 +306,9 @@ class Turn:
                            code="engine_error") from None
         except EngineDeadError as e:
             raise engine_unavailable(str(e)) from None
+        except ShuttingDown:
+            cut = True  # stored as a cancelled turn is
+            raise shutting_down() from None
         except (GeneratorExit, asyncio.CancelledError):
             cut = not finished
             raise

@@ -222,8 +222,7 @@ class AsyncEngine:
                      else f"the engine process exited unexpectedly with code {code}")
         logger.error("%s; failing every open stream", self.dead)
         error = EngineDeadError(self.dead)
-        for stream in self._streams.values():
-            stream.fail(error)
+        self.fail_requests(error)
         for call in self._calls.values():
             if not call.done():
                 call.set_exception(error)
@@ -314,6 +313,13 @@ class AsyncEngine:
             if not finished and self.dead is None and not self._stopping:
                 with contextlib.suppress(EngineDeadError):  # a gone engine runs nothing
                     self._send(AbortRequests([request_id]))
+
+    def fail_requests(self, error: Exception) -> int:
+        """End every open request's stream with ``error`` (raised to its consumer, whose
+        leaving the stream aborts the request in the engine); how many there were."""
+        for stream in self._streams.values():
+            stream.fail(error)
+        return len(self._streams)
 
     async def unpin_session(self, session_id: str) -> bool:
         """Unpin the session's blocks; False if it had none pinned."""

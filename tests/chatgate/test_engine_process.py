@@ -17,6 +17,8 @@ import pytest
 import websockets
 from chatgate_testlib import Server
 
+from chatgate.server import SHUTDOWN_TIMEOUT_S
+
 LONG = {"model": "smollm2", "messages": [{"role": "user", "content": "Write a long essay."}],
         "max_tokens": 2000, "ignore_eos": True, "stream": True, "temperature": 0}
 
@@ -161,6 +163,54 @@ def test_a_tensor_parallel_server_answers_and_a_dead_worker_stops_it(tmp_path: P
         assert "a tensor-parallel worker exited; the engine stops" in srv.log()
         for pid in [engine, *workers]:
             wait_gone(pid, timeout=15)
+    finally:
+        srv.stop()
+
+
+def test_sigterm_ends_streams_that_outlast_the_grace_period_with_an_in_band_503(
+        tiny_model: str, tmp_path: Path) -> None:
+    """Streams still open ``STREAM_GRACE_S`` after SIGTERM end with a 503
+    ``server_shutting_down`` error chunk and ``[DONE]`` (their requests aborted), before
+    uvicorn's graceful timeout would cancel them: exit code 0, no error logged."""
+    srv = Server(["--model", tiny_model, "--served-model-name", "tiny", "--max-num-seqs", "1"],
+                 tmp_path / "server.log").start()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    try:
+        async def stream(client: httpx.AsyncClient, started: asyncio.Event) -> list[str]:
+            async with client.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = []
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        started.set()
+                return lines
+
+        async def terminate_during_streams() -> tuple[list[list[str]], float]:
+            started = asyncio.Event()
+            async with httpx.AsyncClient(timeout=120) as client:
+                # one runs, three wait: 12,000 tokens, far longer than the grace period
+                streams = [asyncio.create_task(stream(client, started)) for _ in range(4)]
+                await started.wait()
+                began = time.monotonic()
+                srv.proc.terminate()
+                ended = await asyncio.gather(*streams)
+                return ended, time.monotonic() - began
+
+        ended, seconds = asyncio.run(terminate_during_streams())
+        assert srv.proc.wait(timeout=60) == 0, srv.log()
+        cut = [lines for lines in ended if "server_shutting_down" in "".join(lines[-2:-1])]
+        assert cut, ended
+        for lines in ended:
+            assert lines[-1] == "[DONE]"
+        for lines in cut:
+            error = json.loads(lines[-2])["error"]
+            assert error["code"] == "server_shutting_down" and "shutting down" in error["message"]
+        assert seconds < SHUTDOWN_TIMEOUT_S
+        log = srv.log()
+        assert f"ended {len(cut)} open stream(s)" in log
+        assert "Traceback" not in log and " ERROR " not in log, log
     finally:
         srv.stop()
 
