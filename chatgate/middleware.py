@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextvars import ContextVar
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
@@ -34,6 +35,23 @@ from chatgate.errors import APIError
 from chatgate.turn import TurnStats
 
 log = logging.getLogger("chatgate")
+
+# uvicorn logs this error for a response its app left unfinished (then closes the connection);
+# the guard leaves a dropped slow reader's unfinished on purpose: the close is the drop
+UNFINISHED = "ASGI callable returned without completing response."
+_dropped: ContextVar[bool] = ContextVar("dropped", default=False)
+
+
+class _DroppedOnPurpose(logging.Filter):
+    """Keeps uvicorn's ``UNFINISHED`` error out of the log for a response the guard dropped
+    (told by the request task's context, in which uvicorn logs it): the guard's own warning
+    says what happened."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == UNFINISHED and _dropped.get())
+
+
+_DROPPED_FILTER = _DroppedOnPurpose()
 
 
 class _BodyRefused(Exception):
@@ -127,6 +145,7 @@ class RequestGuard:
         self.max_bytes = max_bytes
         self.body_timeout = body_timeout
         self.send_timeout = send_timeout
+        logging.getLogger("uvicorn.error").addFilter(_DROPPED_FILTER)  # once: the same object
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -214,6 +233,7 @@ class RequestGuard:
             if not watch.took_cancellation():
                 raise
             # Returning with the response unfinished makes the server close the connection.
+            _dropped.set(True)
             log.warning("dropped %s %s: the client read nothing for %g s", scope["method"],
                         scope["path"], self.send_timeout)
         finally:
