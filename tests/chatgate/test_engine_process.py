@@ -10,12 +10,13 @@ import json
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 import websockets
-from chatgate_testlib import Server
+from chatgate_testlib import REDIS_URL, Server, redis_delete_prefix
 
 from chatgate.server import SHUTDOWN_TIMEOUT_S
 
@@ -213,6 +214,44 @@ def test_sigterm_ends_streams_that_outlast_the_grace_period_with_an_in_band_503(
         assert "Traceback" not in log and " ERROR " not in log, log
     finally:
         srv.stop()
+
+
+def test_a_session_turn_ended_by_shutdown_is_stored_as_cut(tiny_model: str,
+                                                            tmp_path: Path) -> None:
+    """A session turn still streaming when the shutdown grace period ends keeps its user
+    message and the answer so far, marked cut, as a turn its client cancelled does."""
+    prefix = f"chatgate-test-{uuid.uuid4().hex[:12]}"
+    flags = ["--model", tiny_model, "--served-model-name", "tiny", "--redis-url", REDIS_URL,
+             "--redis-prefix", prefix]
+    sid = "cut-by-shutdown"
+    body = {"model": "tiny", "session_id": sid, "max_tokens": 3900, "ignore_eos": True,
+            "stream": True, "messages": [{"role": "user", "content": "Tell me a story."}]}
+    srv = Server(flags, tmp_path / "first.log").start()
+    try:
+        text, events, terminated = "", [], False
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body,
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if "choices" in line:
+                    text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                    if text and not terminated:
+                        srv.proc.terminate()  # with the answer under way
+                        terminated = True
+        assert srv.proc.wait(timeout=60) == 0, srv.log()
+        assert "server_shutting_down" in events[-2] and events[-1] == "[DONE]", events[-2:]
+    finally:
+        srv.stop()
+    srv = Server(flags, tmp_path / "second.log").start()
+    try:
+        messages = httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=30).json()["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant"], messages
+        assert messages[1]["content"].startswith(text) and messages[1]["cut"] is True
+    finally:
+        srv.stop()
+        redis_delete_prefix(prefix)
 
 
 async def _load(url: str, ws_url: str, streams: int) -> None:
