@@ -122,7 +122,9 @@ class _RepeatedHistogram(Histogram):
     """prometheus_client's Histogram that also takes ``count`` equal observations in one call
     (the tokens of a merged delta), where ``observe`` takes them one at a time at 1.75 us each
     (a lock, a scan of the bounds, two locked increments). It adds to the parent's own value
-    slots, so the exposition, and the files of multiprocess mode, are the parent's."""
+    slots (``_sum``, ``_buckets``, ``_upper_bounds``: private to prometheus_client, so
+    tests/chatgate/test_metrics.py checks the exposition against the parent's), so the
+    exposition, and the files of multiprocess mode, are the parent's."""
 
     def observe_repeated(self, value: float, count: int) -> None:
         self._sum.inc(value * count)
