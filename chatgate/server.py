@@ -91,10 +91,10 @@ def _run(settings: Settings, front_end: FrontEnd | None, sock: socket.socket | N
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, which at shutdown (it stops accepting, then waits for the open
-    responses) ends the streams still open after ``STREAM_GRACE_S`` itself, each with an
-    in-band 503 error: uvicorn would cancel their tasks at ``SHUTDOWN_TIMEOUT_S``, logging an
-    error and a traceback for each."""
+    """uvicorn's server, which at shutdown (it stops accepting, closes WebSockets with 1012,
+    then waits for the open responses) ends the SSE streams still open after
+    ``STREAM_GRACE_S`` itself, each with an in-band 503 error: uvicorn would cancel their tasks
+    at ``SHUTDOWN_TIMEOUT_S``, logging an error and a traceback for each."""
 
     def __init__(self, config: uvicorn.Config, app: Starlette) -> None:
         super().__init__(config)

@@ -106,8 +106,9 @@ class Gateway:
 
     def end_streams(self) -> None:
         """End every open stream with a 503 ``server_shutting_down`` error (in-band: an SSE
-        error chunk, a WebSocket ``error`` event) and refuse new turns; the streams' engine
-        requests are aborted. Called once the streams' shutdown grace period is over."""
+        error chunk; uvicorn has closed the WebSockets already) and refuse new turns; the
+        streams' engine requests are aborted. Called once the streams' shutdown grace period
+        is over."""
         self.shutting_down = True
         ended = self.engine.fail_requests(ShuttingDown())
         if ended:
